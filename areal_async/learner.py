@@ -1,0 +1,307 @@
+"""Learner: turns scored rollout groups into one decoupled-PPO step on the training engine.
+
+Pipeline of one step (DESIGN section 7), on B groups of G completions:
+
+1. advantages from the outcome rewards (``algo.advantages.compute_advantages`` with the
+   run's LossConfig: shaping, group baseline/std, batch normalisation, overlong penalty);
+2. the batch is split over the trainer ranks (``shard``); each rank computes pi_prox with one
+   no-grad forward (when the decoupled loss is on) and reference logprobs (when KL is on);
+3. ``FSDPTrainEngine.train_step`` with ``policy_loss`` as the loss; the denominator is the
+   global one (``loss_denominator`` summed over every sequence), so the result is the
+   exact token mean over the whole batch on every rank count.
+
+``Learner`` holds the engines of one rank. Rank 0 drives; with several ranks it
+broadcasts each command (``LearnerCommand``) and the other ranks run ``follow()``.
+No bus here: the trainer worker converts events into ``GroupSample``s.
+
+Legend: B sequences, T tokens, N groups, G group size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal_async.algo.advantages import compute_advantages
+from areal_async.algo.loss import loss_denominator, policy_loss
+from areal_async.config import LossConfig, RunConfig
+from areal_async.engines.batching import TrainSequence
+from areal_async.engines.fsdp import FSDPTrainEngine
+
+
+@dataclass(frozen=True)
+class GroupSample:
+    """One scored group as the learner needs it (plain lists, no bus types)."""
+
+    task_id: str
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    behave_logprobs: list[list[float]]
+    rewards: list[float]
+    finish_reasons: list[str]
+    head_version: int
+
+
+def build_sequences(
+    groups: Sequence[GroupSample], loss: LossConfig, *, max_new_tokens: int
+) -> tuple[list[TrainSequence], dict[str, float]]:
+    """Advantages for every completion and the matching ``TrainSequence``s (group-major)."""
+    sizes = {len(g.completions) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"all groups of a step need the same group size, got sizes {sorted(sizes)}")
+    (group_size,) = sizes
+    rewards_NG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+    lengths = [len(c) for g in groups for c in g.completions]
+    longest = max(lengths)
+    mask_BT = torch.zeros((len(lengths), longest), dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask_BT[i, :n] = True
+    adv_BT = compute_advantages(
+        rewards_NG,
+        mask_BT,
+        reward_bias=loss.reward_bias,
+        reward_scale=loss.reward_scale,
+        reward_clip=loss.reward_clip,
+        group_baseline=loss.group_baseline,
+        group_std=loss.group_std,
+        batch_adv_norm=loss.batch_adv_norm,
+        overlong_buffer=loss.overlong_buffer,
+        overlong_penalty=loss.overlong_penalty,
+        max_new_tokens=max_new_tokens,
+    )
+    seqs: list[TrainSequence] = []
+    row = 0
+    for g in groups:
+        for completion, behave in zip(g.completions, g.behave_logprobs, strict=True):
+            n = len(completion)
+            seqs.append(
+                TrainSequence(
+                    prompt_ids=g.prompt_ids,
+                    completion_ids=completion,
+                    behave_logprobs=behave,
+                    advantages=adv_BT[row, :n].tolist(),
+                )
+            )
+            row += 1
+    valid = adv_BT[mask_BT]
+    stats = {
+        "reward_mean": float(rewards_NG.mean()),
+        "reward_std": float(rewards_NG.std()) if rewards_NG.numel() > 1 else 0.0,
+        "adv_mean": float(valid.mean()),
+        "adv_std": float(valid.std()) if valid.numel() > 1 else 0.0,
+        "adv_abs_max": float(valid.abs().max()),
+        "no_eos_ratio": sum(r == "length" for g in groups for r in g.finish_reasons) / max(1, len(lengths)),
+        "completion_len_mean": sum(lengths) / len(lengths),
+        "group_size": float(group_size),
+    }
+    return seqs, stats
+
+
+def global_denominator(seqs: Sequence[TrainSequence], loss: LossConfig, *, max_new_tokens: int) -> float:
+    lengths = [s.num_completion_tokens for s in seqs]
+    mask_BT = torch.zeros((len(lengths), max(lengths, default=1)), dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask_BT[i, :n] = True
+    return loss_denominator(mask_BT, loss.loss_agg, max_new_tokens)
+
+
+def shard(seqs: Sequence[TrainSequence], world_size: int) -> list[list[TrainSequence]]:
+    """Round-robin split, balanced by token count (longest first)."""
+    shards: list[list[TrainSequence]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for s in sorted(seqs, key=lambda s: -s.length):
+        r = loads.index(min(loads))
+        shards[r].append(s)
+        loads[r] += s.length
+    return shards
+
+
+@dataclass(frozen=True)
+class LearnerCommand:
+    """What rank 0 broadcasts: ``step``, ``save_weights``, ``checkpoint`` or ``stop``."""
+
+    op: str
+    shards: list[list[TrainSequence]] | None = None
+    denominator: float = 0.0
+    path: str = ""
+    extra: dict[str, Any] | None = None
+    keep: int = 2
+
+
+class Learner:
+    """The engines of one trainer rank and the loss of the run."""
+
+    def __init__(self, cfg: RunConfig, model_path: str) -> None:
+        t = cfg.trainer
+        opt = t.optimizer
+        self.cfg = cfg
+        self.loss = t.loss
+        self.max_new_tokens = cfg.rollout.sampling.max_new_tokens
+        temperature = cfg.rollout.sampling.temperature or 1.0
+        if t.num_threads:
+            torch.set_num_threads(t.num_threads)
+        self.engine = FSDPTrainEngine(
+            model_path,
+            dtype=t.dtype,
+            lr=opt.lr,
+            betas=tuple(opt.betas),
+            weight_decay=opt.weight_decay,
+            eps=opt.eps,
+            warmup_steps=opt.warmup_steps,
+            total_steps=t.total_steps,
+            lr_schedule=opt.lr_schedule,
+            min_lr_ratio=opt.min_lr_ratio,
+            grad_clip=opt.grad_clip,
+            micro_batch_tokens=t.micro_batch_tokens,
+            device=t.device,
+            gradient_checkpointing=t.gradient_checkpointing,
+            seed=cfg.seed,
+            temperature=temperature,
+        )
+        self.ref: FSDPTrainEngine | None = None
+        if self.loss.kl_coef > 0:
+            self.ref = FSDPTrainEngine(
+                t.ref_model or model_path,
+                dtype=t.dtype,
+                device=t.device,
+                micro_batch_tokens=t.micro_batch_tokens,
+                temperature=temperature,
+            )
+        self.rank = self.engine.rank
+        self.world_size = self.engine.world_size
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    # ---- one rank's work ----------------------------------------------------------------
+
+    def _step_local(self, seqs: list[TrainSequence], denominator: float) -> dict[str, float]:
+        started = time.perf_counter()
+        if self.loss.decoupled:
+            for s, prox in zip(seqs, self.engine.compute_logprobs(seqs), strict=True):
+                s.prox_logprobs = prox.tolist()
+        if self.ref is not None:
+            for s, ref in zip(seqs, self.ref.compute_logprobs(seqs), strict=True):
+                s.ref_logprobs = ref.tolist()
+        prox_s = time.perf_counter() - started
+        loss = self.loss
+
+        def loss_fn(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return policy_loss(
+                mb["logprobs"],
+                mb["prox_logprobs"] if loss.decoupled else None,
+                mb["behave_logprobs"],
+                mb["advantages"],
+                mb["mask"],
+                eps_clip_low=loss.eps_clip_low,
+                eps_clip_high=loss.eps_clip_high,
+                dual_clip=loss.dual_clip,
+                decoupled=loss.decoupled,
+                behave_cap=loss.behave_cap,
+                behave_cap_mode=loss.behave_cap_mode,
+                ratio_level=loss.ratio_level,
+                loss_agg=loss.loss_agg,
+                max_new_tokens=self.max_new_tokens,
+                denominator=denominator,
+                ref_logprobs_BT=mb.get("ref_logprobs"),
+                kl_coef=0.0 if loss.kl_in_reward else loss.kl_coef,
+                kl_estimator=loss.kl_estimator,
+                kl_in_reward=loss.kl_in_reward,
+            )
+
+        metrics = self.engine.train_step(seqs, loss_fn)
+        metrics["prox_seconds"] = prox_s
+        return metrics
+
+    def execute(self, cmd: LearnerCommand) -> Any:
+        if cmd.op == "step":
+            assert cmd.shards is not None
+            return self._step_local(cmd.shards[self.rank], cmd.denominator)
+        if cmd.op == "save_weights":
+            return self.engine.save_hf(cmd.path)
+        if cmd.op == "checkpoint":
+            from areal_async.checkpoint import save_checkpoint
+
+            return save_checkpoint(
+                cmd.path, self.engine.version, engine=self.engine, extra=cmd.extra or {}, keep=cmd.keep
+            )
+        if cmd.op == "stop":
+            return None
+        raise ValueError(f"unknown learner command {cmd.op!r}")
+
+    # ---- rank 0 drives ----------------------------------------------------------------------
+
+    def run(self, cmd: LearnerCommand) -> Any:
+        """Execute ``cmd`` on every rank (rank 0 only calls this)."""
+        if self.world_size > 1:
+            box: list[Any] = [cmd]
+            dist.broadcast_object_list(box, src=0)
+        return self.execute(cmd)
+
+    def follow(self) -> None:
+        """Ranks > 0: execute what rank 0 broadcasts until ``stop``."""
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            cmd = box[0]
+            self.execute(cmd)
+            if cmd.op == "stop":
+                return
+
+    def step(self, groups: Sequence[GroupSample]) -> dict[str, float]:
+        seqs, stats = build_sequences(groups, self.loss, max_new_tokens=self.max_new_tokens)
+        denominator = global_denominator(seqs, self.loss, max_new_tokens=self.max_new_tokens)
+        metrics = self.run(
+            LearnerCommand(op="step", shards=shard(seqs, self.world_size), denominator=denominator)
+        )
+        return {**stats, **summarize(metrics)}
+
+    def save_weights(self, path: Path) -> list[dict[str, Any]]:
+        return self.run(LearnerCommand(op="save_weights", path=str(path)))
+
+    def checkpoint(self, root: Path, extra: dict[str, Any], keep: int) -> Path:
+        """Commit model, optimizer, scheduler, RNG, version and ``extra`` under ``root/checkpoints``."""
+        return self.run(LearnerCommand(op="checkpoint", path=str(root), extra=extra, keep=keep))
+
+    def restore(self, root: Path) -> dict[str, Any] | None:
+        """Load the latest checkpoint under ``root`` (every rank calls this); its ``extra`` or None."""
+        from areal_async.checkpoint import find_latest, load_checkpoint
+
+        if find_latest(root) is None:
+            return None
+        return load_checkpoint(root, engine=self.engine)
+
+    def stop(self) -> None:
+        if self.world_size > 1:
+            self.run(LearnerCommand(op="stop"))
+
+
+def summarize(m: dict[str, float]) -> dict[str, float]:
+    """Engine metrics plus the summed loss stats turned into means and fractions per loss token."""
+    n = max(m.get("loss_tokens", 0.0), 1.0)
+    raw = {"clipped_tokens", "dual_clipped_tokens", "capped_tokens", "sequences"}
+    out = {k: v for k, v in m.items() if not k.endswith("_sum") and k not in raw}
+    out["clip_fraction"] = m.get("clipped_tokens", 0.0) / n
+    out["dual_clip_fraction"] = m.get("dual_clipped_tokens", 0.0) / n
+    out["behave_capped_fraction"] = m.get("capped_tokens", 0.0) / n
+    out["behave_weight_mean"] = m.get("behave_weight_sum", n) / n
+    out["ratio_mean"] = m.get("ratio_sum", n) / n
+    out["approx_kl"] = m.get("approx_kl_sum", 0.0) / n
+    out["ref_kl"] = m.get("ref_kl_sum", 0.0) / n
+    return out
+
+
+def init_trainer_process_group(device: str) -> None:
+    """Under torchrun (WORLD_SIZE > 1) create the process group; a no-op for one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        from areal_async.engines.fsdp import init_distributed
+
+        init_distributed(device)

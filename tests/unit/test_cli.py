@@ -1,0 +1,50 @@
+"""Command-line behaviour that needs no bus: help, fast start, clear usage errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("entry", ["worker_main", "main"])
+def test_help_imports_no_torch(entry: str) -> None:
+    """--help of both commands prints usage and never imports torch or transformers."""
+    code = (
+        "import sys\n"
+        "from workers import cli\n"
+        "try:\n"
+        f"    cli.{entry}(['--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "heavy = [m for m in ('torch', 'transformers', 'nats', 'numpy') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout
+    assert "HEAVY ['torch'" not in out.stdout and "HEAVY []" in out.stdout, out.stdout
+
+
+def test_worker_with_bad_config_exits_2_with_message(tmp_path) -> None:
+    """A config error is one line on stderr and exit code 2, not a traceback."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  batchsize: 3\n")
+    out = _run(
+        f"from workers import cli; raise SystemExit(cli.worker_main(['--role','trainer','--config',{str(bad)!r}]))"
+    )
+    assert out.returncode == 2
+    assert "did you mean 'batch_size'?" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unknown_role_is_a_usage_error() -> None:
+    """--role must be one of the five roles."""
+    out = _run("from workers import cli; cli.worker_main(['--role','critic','--config','x.yaml'])")
+    assert out.returncode == 2
+    assert "invalid choice: 'critic'" in out.stderr

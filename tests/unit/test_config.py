@@ -1,0 +1,133 @@
+"""Run-file loading: defaults, overrides, presets and the errors users see."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from areal_async.config import RunConfig, load_config, parse_override, write_resolved_config
+from areal_async.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_config_loads() -> None:
+    """Each YAML file under configs/ is a valid run file."""
+    files = sorted(CONFIGS.glob("*.yaml"))
+    assert files, "configs/ holds no run files"
+    for path in files:
+        assert isinstance(load_config(path), RunConfig), path
+
+
+def test_defaults_without_a_file_are_valid() -> None:
+    """load_config() with no file gives the documented defaults."""
+    cfg = load_config()
+    assert cfg.rollout.max_staleness == 2
+    assert cfg.trainer.loss.preset == "ppo_decoupled"
+    assert cfg.max_inflight == (2 + 1) * cfg.trainer.batch_size
+
+
+def test_overrides_replace_nested_values_and_parse_yaml_scalars(tmp_path: Path) -> None:
+    """--set a.b=c reaches nested sections; numbers, lists and null are parsed."""
+    path = _write(tmp_path, "rollout:\n  group_size: 4\n")
+    cfg = load_config(
+        path,
+        [
+            "rollout.group_size=6",
+            "rollout.sampling.max_new_tokens=32",
+            "trainer.optimizer.betas=[0.8, 0.95]",
+            "rollout.max_inflight=null",
+            "name=abc",
+        ],
+    )
+    assert cfg.rollout.group_size == 6
+    assert cfg.rollout.sampling.max_new_tokens == 32
+    assert cfg.trainer.optimizer.betas == [0.8, 0.95]
+    assert cfg.rollout.max_inflight is None
+    assert cfg.name == "abc"
+
+
+def test_unknown_key_names_file_section_and_suggests_the_right_key(tmp_path: Path) -> None:
+    """A typo is refused with the file, the section and a did-you-mean hint."""
+    path = _write(tmp_path, "rollout:\n  group_sise: 8\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:rollout: unknown key 'group_sise'; did you mean 'group_size'?"
+
+
+def test_unknown_top_level_key_lists_valid_keys_when_nothing_is_close(tmp_path: Path) -> None:
+    """With no close match the error lists what is valid."""
+    path = _write(tmp_path, "zzzz: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'zzzz'; valid keys: name, dir, seed, bus"):
+        load_config(path)
+
+
+def test_wrong_type_names_key_path_and_value(tmp_path: Path) -> None:
+    """A string where an integer belongs names the key path and the value."""
+    path = _write(tmp_path, "trainer:\n  batch_size: four\n")
+    with pytest.raises(ConfigError, match=r"run.yaml:trainer.batch_size: expected an integer, got 'four'"):
+        load_config(path)
+
+
+def test_out_of_range_value_explains_the_rule(tmp_path: Path) -> None:
+    """Validation in __post_init__ surfaces with the section and the reason."""
+    path = _write(tmp_path, "rollout:\n  group_size: 1\n")
+    with pytest.raises(ConfigError, match=r"rollout: group_size must be >= 2 for group advantages, got 1"):
+        load_config(path)
+
+
+def test_literal_choice_suggests_the_closest_option(tmp_path: Path) -> None:
+    """An invalid enum value lists the choices and the closest one."""
+    path = _write(tmp_path, "trainer:\n  loss:\n    behave_cap_mode: clmp\n")
+    with pytest.raises(ConfigError, match=r"'clmp' is not one of 'mask', 'clamp'; did you mean 'clamp'\?"):
+        load_config(path)
+
+
+def test_override_without_equals_is_refused() -> None:
+    """--set needs KEY=VALUE."""
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_override("rollout.group_size")
+
+
+def test_missing_file_says_so(tmp_path: Path) -> None:
+    """A path that does not exist is a clear error, not a traceback."""
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_run_name_must_be_a_subject_token(tmp_path: Path) -> None:
+    """Dots or spaces in the run name would break subjects; they are refused."""
+    with pytest.raises(ConfigError, match="may only hold letters, digits"):
+        load_config(None, ["name=my.run"])
+
+
+def test_loss_preset_applies_before_explicit_keys(tmp_path: Path) -> None:
+    """A preset sets its recipe; keys in the file still win."""
+    path = _write(tmp_path, "trainer:\n  loss:\n    preset: dapo\n    eps_clip_high: 0.3\n")
+    cfg = load_config(path)
+    assert cfg.trainer.loss.preset == "dapo"
+    assert cfg.trainer.loss.dynamic_sampling is True
+    assert cfg.trainer.loss.eps_clip_high == 0.3
+    rloo = load_config(None, ["trainer.loss.preset=rloo"])
+    assert rloo.trainer.loss.group_baseline == "loo"
+
+
+def test_unknown_preset_suggests_a_known_one() -> None:
+    """A misspelt preset is refused with a hint."""
+    with pytest.raises(ConfigError, match=r"unknown preset 'grpoo'; did you mean 'grpo'\?"):
+        load_config(None, ["trainer.loss.preset=grpoo"])
+
+
+def test_resolved_config_is_written_and_reloads_identically(tmp_path: Path) -> None:
+    """Each worker writes the resolved config; reading it back gives the same tree."""
+    cfg = load_config(None, [f"dir={tmp_path}/{{name}}", "rollout.group_size=5"])
+    path = write_resolved_config(cfg, "trainer")
+    assert path == tmp_path / "demo" / "config" / "trainer.yaml"
+    assert load_config(path) == cfg

@@ -1,0 +1,138 @@
+"""Command-line entry points: ``areal-worker`` (one role, one process) and ``areal-async``.
+
+    areal-worker --role trainer --config configs/arith_cpu.yaml [--set trainer.batch_size=8 ...]
+    areal-async run configs/arith_cpu.yaml          # embedded nats-server + one process per role
+    areal-async inspect --config configs/arith_cpu.yaml [tail SUBJECT]
+    areal-async prepare-model smollm2 [--out DIR]
+
+Imports are lazy: ``--help`` of both commands loads neither torch nor transformers.
+Exit codes: 0 done, 1 runtime failure, 2 bad usage or configuration, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+ROLES = ("controller", "generation", "reward", "trainer", "weight-sync")
+"""Every worker role; ``areal-async run`` starts one process of each."""
+
+_ROLE_MODULES = {
+    "controller": "workers.controller",
+    "generation": "workers.generation",
+    "reward": "workers.reward",
+    "trainer": "workers.trainer",
+    "weight-sync": "workers.weight_sync",
+}
+
+
+def _fail(message: str, code: int = 2) -> int:
+    sys.stderr.write(f"error: {message}\n")
+    return code
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="areal-worker",
+        description="Run one areal-async worker role. Every role connects to the run's NATS bus; "
+        "any number of generation and reward workers may join or leave at any time.",
+    )
+    p.add_argument("--role", required=True, choices=ROLES, help="worker role to run")
+    p.add_argument("--config", required=True, help="YAML run file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set rollout.group_size=8 (repeatable)",
+    )
+    p.add_argument("--worker-id", default=None, help="stable id of this worker (default: role-host-pid)")
+    return p
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    args = worker_parser().parse_args(argv)
+    from areal_async.config import load_config
+    from areal_async.errors import ConfigError, RoleNotAvailable
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        return _fail(f"ConfigError: {exc}")
+    try:
+        module = importlib.import_module(_ROLE_MODULES[args.role])
+    except ModuleNotFoundError as exc:
+        if exc.name != _ROLE_MODULES[args.role]:
+            raise
+        return _fail(f"role {args.role!r} is not implemented in this build", code=2)
+    if args.role == "trainer" and module.is_follower():
+        return module.follow(cfg)  # torchrun ranks > 0 only compute
+    from workers.runtime import run_role
+
+    try:
+        return run_role(cfg, role=args.role, serve=module.serve, worker_id=args.worker_id)
+    except (ConfigError, RoleNotAvailable) as exc:
+        return _fail(f"{type(exc).__name__}: {exc}")
+
+
+def main_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="areal-async",
+        description="Asynchronous RL for language models: run, inspect and prepare areal-async runs.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="start an embedded nats-server and one process per role on this machine")
+    run.add_argument("config", help="YAML run file")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--roles", default=",".join(ROLES), help="comma-separated roles to start (default: all)")
+    run.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
+
+    ins = sub.add_parser("inspect", help="show streams, consumers, KV state, live workers and dead letters")
+    ins.add_argument("--config", help="YAML run file (gives run name and bus URL)")
+    ins.add_argument("--url", help="NATS URL (default: from the config or the run dir)")
+    ins.add_argument("--run", dest="run_name", help="run name (default: from the config)")
+    ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ins.add_argument("what", nargs="?", default="summary", choices=("summary", "tail", "steps", "deadletter"))
+    ins.add_argument("subject", nargs="?", help="for 'tail': subject under areal.<run>. (e.g. trainer.step)")
+    ins.add_argument("--count", type=int, default=10, help="events to show for tail/steps/deadletter")
+    ins.add_argument("--json", action="store_true", help="machine-readable output")
+
+    prep = sub.add_parser("prepare-model", help="convert a bundled model to a safetensors HF directory")
+    prep.add_argument("name", choices=("smollm2",), help="model to prepare")
+    prep.add_argument("--out", default=None, help="output directory (default: the areal-async cache)")
+    prep.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = main_parser().parse_args(argv)
+    from areal_async.errors import AreaLError
+
+    try:
+        if args.command == "run":
+            from workers.launcher import launch
+
+            return launch(args.config, args.overrides, roles=args.roles.split(","), live=not args.no_live)
+        if args.command == "inspect":
+            from workers.inspect import inspect_main
+
+            return inspect_main(args)
+        if args.command == "prepare-model":
+            from areal_async.models import prepare_smollm2
+
+            path = prepare_smollm2(args.out, dtype=args.dtype)
+            sys.stdout.write(f"{path}\n")
+            return 0
+    except AreaLError as exc:
+        return _fail(f"{type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:
+        return 130
+    return _fail(f"unknown command {args.command!r}")
+
+
+if __name__ == "__main__":  # torchrun -m workers.cli --role trainer ...
+    sys.exit(worker_main())

@@ -1,0 +1,245 @@
+"""Generation worker: prompt tasks in, rollout groups out, weights swapped mid-flight.
+
+Data flow: controller --prompt--> generation --rollout.generated--> reward;
+weight-sync --weights.load--> generation --weights.loaded--> weight-sync.
+
+Replicas share the ``generation`` durable pull consumer, so N workers split the tasks;
+a worker takes a task only when it has room for its completions (backpressure). For a
+training task it samples ``rollout.group_size`` completions with the run's sampling
+parameters; for an eval task one greedy completion. Every completion token carries the
+policy version that produced it; the group's ``head_version`` is the oldest first token.
+
+``weights.load`` interrupts decoding at the next step, swaps the weights, and resumes
+every request from prompt + tokens so far (the engine's contract); the worker then
+answers ``weights.loaded``. A worker that joins a running run first loads the version
+the others serve.
+
+Guarantees: one RolloutGroup per task attempt, published with ``Nats-Msg-Id =
+task_id:attempt`` before the task is acked, so a worker killed mid-task loses nothing
+(the task is redelivered) and a retried publish is stored once.
+
+Run alone: areal-worker --role generation --config configs/arith_cpu.yaml
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import structlog
+
+from areal_async.data import render_prompt
+from areal_async.engines.base import GenerationRequest, InferenceEngine, SamplingParams
+from areal_async.errors import ConfigError
+from bus.events import Completion, PromptTask, RolloutGroup, WeightsLoad, WeightsLoaded, pack_f32, pack_i32
+from workers.common import WEIGHTS_SERVED_KEY, checked_weights_path, resolve_model_path, unpack_record
+from workers.runtime import WorkerContext
+
+log = structlog.get_logger()
+
+IN_PROGRESS_EVERY_S = 20.0
+
+
+def make_engine(ctx: WorkerContext, model_path: str) -> InferenceEngine:
+    cfg = ctx.cfg
+    if cfg.rollout.engine == "local":
+        import torch
+
+        from areal_async.engines.local import LocalEngine
+
+        if cfg.rollout.num_threads:
+            torch.set_num_threads(cfg.rollout.num_threads)
+        return LocalEngine(
+            model_path,
+            device=cfg.rollout.device,
+            dtype=cfg.model.dtype,
+            max_batch_size=cfg.rollout.max_batch_size,
+            engine_id=ctx.worker_id,
+            seed=cfg.seed,
+        )
+    raise ConfigError(
+        f"rollout.engine={cfg.rollout.engine!r} is not available in this build; use rollout.engine=local"
+    )
+
+
+class Generator:
+    def __init__(self, ctx: WorkerContext, engine: InferenceEngine, tokenizer: Any) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.bus = ctx.bus
+        self.engine = engine
+        self.tokenizer = tokenizer
+        s = self.cfg.rollout.sampling
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        stop = tuple(dict.fromkeys([*eos, *s.stop_token_ids]))
+        self.train_sampling = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            stop_token_ids=stop,
+        )
+        self.eval_sampling = SamplingParams(
+            temperature=0.0, max_new_tokens=s.max_new_tokens, stop_token_ids=stop
+        )
+        slots = max(1, self.cfg.rollout.max_batch_size // self.cfg.rollout.group_size)
+        self.limiter = anyio.CapacityLimiter(slots + 1)
+        self.active = 0
+        self.tasks_done = 0
+        self.tokens_out = 0
+
+    # ---- weights -------------------------------------------------------------------------
+
+    async def load(self, version: int, path: str) -> None:
+        try:
+            location = checked_weights_path(self.cfg, path)
+            seconds = await self.engine.load_weights(version, str(location))
+            ok, error = True, ""
+            log.info("weights loaded", policy_version=version, seconds=round(seconds, 3))
+        except Exception as exc:  # report, keep serving the old weights
+            seconds, ok, error = 0.0, False, f"{type(exc).__name__}: {exc}"
+            log.error("weights load failed", policy_version=version, path=path, error=error)
+        self.ctx.policy_version = self.engine.version
+        await self.bus.publish(
+            self.bus.subjects.weights_loaded,
+            WeightsLoaded(
+                policy_version=self.engine.version if ok else version,
+                engine_id=self.ctx.worker_id,
+                ok=ok,
+                error=error,
+                seconds=seconds,
+            ),
+            policy_version=self.engine.version,
+        )
+
+    async def catch_up(self) -> None:
+        """A worker joining a running run serves what the others serve before taking tasks."""
+        served = unpack_record(await self.bus.kv_get("state", WEIGHTS_SERVED_KEY))
+        if served and int(served["policy_version"]) > self.engine.version:
+            await self.load(int(served["policy_version"]), str(served["path"]))
+
+    async def weights_listener(self) -> None:
+        async for ev in self.bus.subscribe(self.bus.subjects.weights_load):
+            if not isinstance(ev, WeightsLoad):
+                continue
+            if ev.engine_ids and self.ctx.worker_id not in ev.engine_ids:
+                continue
+            if ev.policy_version == self.engine.version:
+                await self.bus.publish(
+                    self.bus.subjects.weights_loaded,
+                    WeightsLoaded(
+                        policy_version=self.engine.version, engine_id=self.ctx.worker_id, ok=True, seconds=0.0
+                    ),
+                )
+                continue
+            # Loading runs beside decoding; the engine interrupts and resumes requests itself.
+            # An older version is loaded too: the trainer was restored from a checkpoint.
+            await self.load(ev.policy_version, ev.path)
+
+    # ---- tasks -----------------------------------------------------------------------------
+
+    async def task_loop(self, tg: anyio.abc.TaskGroup) -> None:
+        async for delivery in self.bus.consume("PROMPT", batch=1):
+            await self.limiter.acquire_on_behalf_of(delivery)
+            tg.start_soon(self.handle, delivery)
+
+    async def handle(self, delivery: Any) -> None:
+        task = delivery.event
+        assert isinstance(task, PromptTask)
+        self.active += 1
+        self.ctx.set_status("busy")
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_keep_alive, delivery)
+                group = await self.generate_group(task)
+                await self.bus.publish(
+                    self.bus.subjects.rollout_generated,
+                    group,
+                    msg_id=f"{task.task_id}:{task.attempt}",
+                    policy_version=group.head_version,
+                )
+                await delivery.ack()
+                tg.cancel_scope.cancel()
+            self.tasks_done += 1
+        finally:
+            self.active -= 1
+            self.limiter.release_on_behalf_of(delivery)
+            self.ctx.load = {"active_tasks": float(self.active), "tasks_done": float(self.tasks_done)}
+            if not self.active:
+                self.ctx.set_status("ready")
+
+    async def generate_group(self, task: PromptTask) -> RolloutGroup:
+        cfg = self.cfg
+        prompt_ids = render_prompt(
+            self.tokenizer,
+            task.row,
+            use_chat_template=cfg.model.use_chat_template,
+            system_prompt=cfg.model.system_prompt,
+        )
+        is_eval = task.kind == "eval"
+        n = 1 if is_eval else cfg.rollout.group_size
+        sampling = self.eval_sampling if is_eval else self.train_sampling
+        requests = [
+            GenerationRequest(
+                request_id=f"{task.task_id}:{task.attempt}:{i}", prompt_ids=prompt_ids, sampling=sampling
+            )
+            for i in range(n)
+        ]
+        started = time.monotonic()
+        results = await self.engine.generate(requests)
+        seconds = time.monotonic() - started
+        texts = self.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
+        completions = [
+            Completion(
+                token_ids=pack_i32(r.token_ids),
+                logprobs=pack_f32(r.logprobs),
+                versions=pack_i32(r.versions),
+                finish_reason=r.finish_reason,
+                text=text,
+            )
+            for r, text in zip(results, texts, strict=True)
+        ]
+        tokens = sum(len(r.token_ids) for r in results)
+        self.tokens_out += tokens
+        return RolloutGroup(
+            task_id=task.task_id,
+            kind=task.kind,
+            index=task.index,
+            epoch=task.epoch,
+            attempt=task.attempt,
+            row=task.row,
+            engine_id=self.ctx.worker_id,
+            prompt_ids=pack_i32(list(prompt_ids)),
+            completions=completions,
+            head_version=min(r.versions[0] for r in results),
+            tail_version=max(r.versions[-1] for r in results),
+            timings={
+                "generate_s": seconds,
+                "queue_s": max(0.0, time.time() - task.issued_at - seconds),
+                "tokens": float(tokens),
+            },
+        )
+
+
+async def _keep_alive(delivery: Any) -> None:
+    while True:
+        await anyio.sleep(IN_PROGRESS_EVERY_S)
+        await delivery.in_progress()
+
+
+async def serve(ctx: WorkerContext) -> None:
+    from areal_async.models import load_tokenizer
+
+    model_path = resolve_model_path(ctx.cfg.model.path)
+    tokenizer = load_tokenizer(model_path)
+    engine = make_engine(ctx, model_path)
+    async with engine:
+        gen = Generator(ctx, engine, tokenizer)
+        ctx.policy_version = engine.version
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gen.weights_listener)
+            await gen.catch_up()
+            ctx.set_status("ready")
+            log.info("generation ready", engine_id=engine.engine_id, policy_version=engine.version)
+            await gen.task_loop(tg)

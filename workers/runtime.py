@@ -1,0 +1,218 @@
+"""The shared process shell of every worker role.
+
+``run_role(cfg, role=..., serve=...)`` configures logging (console or JSON, plus a JSON
+file per worker under ``<run_dir>/logs/``), writes the resolved config, connects to the
+bus, provisions streams/consumers/buckets (idempotent), and runs ``serve(ctx)`` inside
+an anyio task group beside:
+
+- a heartbeat task: ``heartbeat.<role>.<id>`` on core NATS plus a KV entry with TTL, so
+  ``inspect`` and the weight-sync worker see who is alive and on which version;
+- a signal task: SIGTERM/SIGINT cancel the group; ``serve`` gets ``shutdown_grace_s``
+  to finish what it holds (unacked work is redelivered to another worker anyway);
+- a run-end task: ``run.ended`` from the controller stops the worker.
+
+Exit code 0 when the run ended or the worker was asked to stop, 1 on a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import structlog
+
+from areal_async.config import BusConfig, RunConfig, write_resolved_config
+from areal_async.logs import configure_logging
+from bus.client import Bus, BusConnectError, ConnectOptions, connect
+from bus.events import Heartbeat, RunEnded, encode
+
+log = structlog.get_logger()
+
+SHUTDOWN_GRACE_S = 10.0
+FINISHING_ROLES = frozenset({"trainer"})
+
+
+@dataclass
+class WorkerContext:
+    """What a role's ``serve`` gets: config, identity, the bus, and a status for heartbeats."""
+
+    cfg: RunConfig
+    role: str
+    worker_id: str
+    bus: Bus
+    status: str = "starting"
+    detail: str = ""
+    policy_version: int = -1
+    load: dict[str, float] = field(default_factory=dict)
+    ended: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run_dir
+
+    def set_status(self, status: str, detail: str = "") -> None:
+        if (status, detail) != (self.status, self.detail):
+            log.info("status", status=status, detail=detail or None)
+        self.status, self.detail = status, detail
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            role=self.role,
+            worker_id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            policy_version=self.policy_version,
+            status=self.status,
+            detail=self.detail,
+            load=dict(self.load),
+            sent_at=time.time(),
+        )
+
+
+def connect_options(bus_cfg: BusConfig, *, name: str) -> ConnectOptions:
+    """Translate the run's bus section into client options (secrets may come from the environment)."""
+    if bus_cfg.url == "embedded":
+        url = os.environ.get("AREAL_BUS_URL")
+        if not url:
+            raise BusConnectError(
+                "bus.url is 'embedded', which only `areal-async run` can start; run the whole job with "
+                "`areal-async run RUN.yaml`, or point this worker at a server with --set bus.url=nats://HOST:4222"
+            )
+    else:
+        url = bus_cfg.url
+    return ConnectOptions(
+        url=[u.strip() for u in url.split(",") if u.strip()],
+        name=name,
+        token=bus_cfg.token or os.environ.get("AREAL_NATS_TOKEN"),
+        user=bus_cfg.user,
+        password=bus_cfg.password or os.environ.get("AREAL_NATS_PASSWORD"),
+        nkeys_seed=bus_cfg.nkeys_seed,
+        creds=bus_cfg.creds,
+        tls_ca=bus_cfg.tls_ca,
+        tls_cert=bus_cfg.tls_cert,
+        tls_key=bus_cfg.tls_key,
+        connect_timeout=bus_cfg.connect_timeout_s,
+        reconnect_wait_max=bus_cfg.reconnect_wait_max_s,
+    )
+
+
+async def open_bus(cfg: RunConfig, *, name: str) -> Bus:
+    bus = await connect(connect_options(cfg.bus, name=name), cfg.name)
+    await bus.provision(
+        replicas=cfg.bus.replicas,
+        ack_wait=cfg.bus.ack_wait_s,
+        max_ack_pending=cfg.bus.max_ack_pending,
+        heartbeat_ttl=cfg.bus.heartbeat_ttl_s,
+    )
+    return bus
+
+
+def default_worker_id(role: str) -> str:
+    """``role-host-pid`` with anything that cannot be a subject token replaced by '-'."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())
+    return f"{role}-{host}-{os.getpid()}"
+
+
+def run_role(
+    cfg: RunConfig,
+    *,
+    role: str,
+    serve: Callable[[WorkerContext], Awaitable[None]],
+    worker_id: str | None = None,
+) -> int:
+    """Run one role until it finishes, the run ends, or a signal arrives; return the exit code."""
+    worker_id = worker_id or os.environ.get("AREAL_WORKER_ID") or default_worker_id(role)
+    logs_dir = cfg.run_dir / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    configure_logging(
+        level=cfg.logging.level,
+        fmt=cfg.logging.format,
+        json_file=logs_dir / f"{worker_id}.jsonl",
+        role=role,
+        worker_id=worker_id,
+        rank=int(os.environ.get("RANK", "0")),
+    )
+    write_resolved_config(cfg, role)
+    try:
+        return anyio.run(_main, cfg, role, worker_id, serve, backend="asyncio")
+    except BusConnectError as exc:
+        log.error("bus unavailable", error=str(exc))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _main(
+    cfg: RunConfig, role: str, worker_id: str, serve: Callable[[WorkerContext], Awaitable[None]]
+) -> int:
+    bus = await open_bus(cfg, name=worker_id)
+    ctx = WorkerContext(cfg=cfg, role=role, worker_id=worker_id, bus=bus)
+    log.info("worker started", run=cfg.name, run_dir=str(cfg.run_dir), pid=os.getpid())
+    code = 0
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_signals, tg.cancel_scope)
+            tg.start_soon(_heartbeats, ctx)
+            tg.start_soon(_watch_run_end, ctx, tg.cancel_scope)
+            await serve(ctx)
+            tg.cancel_scope.cancel()
+    except Exception:
+        log.exception("worker failed")
+        code = 1
+    finally:
+        with anyio.move_on_after(SHUTDOWN_GRACE_S, shield=True):
+            ctx.status = "stopped"
+            try:
+                await bus.publish(bus.subjects.heartbeat(role, worker_id), ctx.heartbeat())
+                await bus.kv_delete("workers", f"{role}.{worker_id}")
+            except Exception as exc:  # the bus may be the reason we stop
+                log.warning("could not announce stop", error=str(exc))
+            await bus.close()
+    log.info("worker stopped", code=code)
+    return code
+
+
+async def _signals(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal received, shutting down", signal=signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+async def _heartbeats(ctx: WorkerContext) -> None:
+    subject = ctx.bus.subjects.heartbeat(ctx.role, ctx.worker_id)
+    key = f"{ctx.role}.{ctx.worker_id}"
+    while True:
+        beat = ctx.heartbeat()
+        try:
+            await ctx.bus.publish(subject, beat)
+            await ctx.bus.kv_put("workers", key, encode(beat))
+        except Exception as exc:  # a lost connection pauses beats; nats-py reconnects underneath
+            log.warning("heartbeat failed", error=str(exc))
+        await anyio.sleep(ctx.cfg.bus.heartbeat_interval_s)
+
+
+async def _watch_run_end(ctx: WorkerContext, scope: anyio.CancelScope) -> None:
+    """``run.ended`` stops the worker; a role that must finish something (the trainer's last
+    checkpoint) watches ``ctx.ended`` itself and returns from ``serve``."""
+    if ctx.role == "controller":
+        return  # the controller decides when the run ends
+    if await ctx.bus.kv_get("state", "run.ended") is None:
+        async with ctx.bus.subscribe(ctx.bus.subjects.run_ended) as sub:
+            async for event in sub:
+                if isinstance(event, RunEnded):
+                    log.info("run ended", reason=event.reason, policy_version=event.policy_version)
+                    break
+    else:
+        log.info("run already ended")
+    ctx.ended.set()
+    if ctx.role not in FINISHING_ROLES:
+        scope.cancel()

@@ -1,0 +1,385 @@
+"""Trainer worker: scored groups in, policy versions out.
+
+Data flow: reward --rollout.scored--> trainer --weights.published--> weight-sync;
+trainer --trainer.step / rollout.failed--> controller.
+
+Rank 0 talks to the bus; with ``trainer.num_ranks > 1`` (torchrun) the other ranks only
+compute (``Learner.follow``). Each step at trainer version ``t``:
+
+1. keep received groups oldest-first (by head_version, then arrival); apply the guard
+   ``t - eta <= head_version <= t``: a group outside the window is not trained, it is
+   published as ``rollout.failed`` (``stale``/``future``) and acked so the controller
+   re-issues its prompt; with dynamic sampling a group whose rewards are all equal is
+   ``filtered``;
+2. train on the B oldest trainable groups (pi_prox forward, decoupled PPO update): t -> t+1;
+3. save ``weights/v<t+1>/`` and publish ``weights.published`` (path + manifest);
+4. publish ``trainer.step`` (task ids, head versions, metrics) and append ``metrics.jsonl``.
+
+Lossless resume (DESIGN section 8): trained groups stay unacknowledged until the next
+checkpoint commits (every ``checkpoint.every_steps`` and at the end); only then are they
+acked. A trainer killed between checkpoints restarts from the last one: the groups of the
+lost steps are redelivered and trained again (or recycled by the guard), the controller
+rolls back its count when it sees a repeated step number. Task ids of every committed
+step are in the checkpoint, so nothing is trained twice.
+
+Run alone: areal-worker --role trainer --config configs/arith_cpu.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+
+from areal_async.algo.advantages import dynamic_sampling_keep
+from areal_async.algo.staleness import guard
+from areal_async.config import RunConfig
+from bus.events import (
+    RolloutFailed,
+    ScoredGroup,
+    TensorEntry,
+    TrainerStep,
+    WeightsPublished,
+    unpack_f32,
+    unpack_i32,
+)
+from workers.common import WEIGHTS_PUBLISHED_KEY, append_jsonl, pack_record, resolve_model_path, weights_dir
+from workers.runtime import WorkerContext
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Held:
+    """A received group and the delivery that acks it."""
+
+    scored: ScoredGroup
+    delivery: Any
+    arrived: float
+
+    @property
+    def task_id(self) -> str:
+        return self.scored.group.task_id
+
+    @property
+    def head_version(self) -> int:
+        return self.scored.group.head_version
+
+
+def to_sample(scored: ScoredGroup) -> Any:
+    from areal_async.learner import GroupSample
+
+    g = scored.group
+    return GroupSample(
+        task_id=g.task_id,
+        prompt_ids=unpack_i32(g.prompt_ids, "prompt_ids").tolist(),
+        completions=[unpack_i32(c.token_ids, "token_ids").tolist() for c in g.completions],
+        behave_logprobs=[unpack_f32(c.logprobs, "logprobs").tolist() for c in g.completions],
+        rewards=list(scored.rewards),
+        finish_reasons=[c.finish_reason for c in g.completions],
+        head_version=g.head_version,
+    )
+
+
+class RunOver(Exception):
+    """The run ended (dataset exhausted) while the trainer waited for data."""
+
+
+class Trainer:
+    def __init__(self, ctx: WorkerContext, learner: Any, *, trained_ids: set[str]) -> None:
+        self.ctx = ctx
+        self.cfg: RunConfig = ctx.cfg
+        self.bus = ctx.bus
+        self.learner = learner
+        self.pending: dict[str, Held] = {}
+        self.uncommitted: dict[str, Held] = {}
+        self.trained_ids = trained_ids
+        self.arrived = anyio.Event()
+        self.metrics_file = self.cfg.run_dir / "metrics.jsonl"
+        self.tb = _tensorboard(self.cfg)
+        self.started = time.time()
+
+    @property
+    def version(self) -> int:
+        return int(self.learner.version)
+
+    # ---- intake -------------------------------------------------------------------------------
+
+    async def receive(self) -> None:
+        async for d in self.bus.consume("SCORED", batch=64):
+            scored = d.event
+            assert isinstance(scored, ScoredGroup)
+            task_id = scored.group.task_id
+            if task_id in self.trained_ids:
+                await d.ack()  # a redelivery of a group a committed step already trained
+                continue
+            held = Held(scored, d, time.monotonic())
+            if task_id in self.uncommitted:
+                self.uncommitted[task_id] = held  # newer delivery handle of a trained group
+                continue
+            self.pending[task_id] = held
+            self.arrived.set()
+
+    async def keep_alive(self) -> None:
+        """Held messages must not hit ack_wait: tell the server we are still working on them."""
+        period = max(1.0, self.cfg.bus.ack_wait_s / 3)
+        while True:
+            await anyio.sleep(period)
+            for held in [*self.pending.values(), *self.uncommitted.values()]:
+                try:
+                    await held.delivery.in_progress()
+                except Exception as exc:
+                    log.warning("in_progress failed", task_id=held.task_id, error=str(exc))
+
+    async def fail(self, held: Held, reason: str, detail: str) -> None:
+        g = held.scored.group
+        await self.bus.publish(
+            self.bus.subjects.rollout_failed,
+            RolloutFailed(
+                task_id=g.task_id,
+                kind=g.kind,
+                index=g.index,
+                epoch=g.epoch,
+                attempt=g.attempt,
+                reason=reason,
+                detail=detail,
+                head_version=g.head_version,
+                trainer_version=self.version,
+            ),
+            msg_id=f"{g.task_id}:{g.attempt}:failed",
+        )
+        await held.delivery.ack()
+        self.pending.pop(g.task_id, None)
+
+    async def next_batch(self) -> list[Held]:
+        """The B oldest trainable groups; applies the guard and the dynamic-sampling filter."""
+        eta = self.cfg.rollout.max_staleness
+        batch_size = self.cfg.trainer.batch_size
+        while True:
+            for held in sorted(self.pending.values(), key=lambda h: (h.head_version, h.arrived)):
+                verdict = guard(head_version=held.head_version, trainer_version=self.version, eta=eta)
+                if verdict != "ok":
+                    log.info(
+                        "group not trainable", task_id=held.task_id, reason=verdict, head=held.head_version
+                    )
+                    await self.fail(
+                        held, verdict, f"head_version {held.head_version} at trainer version {self.version}"
+                    )
+                elif self.cfg.trainer.loss.dynamic_sampling and not dynamic_sampling_keep(
+                    held.scored.rewards
+                ):
+                    await self.fail(held, "filtered", "all rewards in the group are equal")
+            ready = sorted(self.pending.values(), key=lambda h: (h.head_version, h.arrived))
+            if len(ready) >= batch_size:
+                return ready[:batch_size]
+            if self.ctx.ended.is_set():
+                raise RunOver
+            self.ctx.set_status("waiting", f"{len(ready)}/{batch_size} groups")
+            self.arrived = anyio.Event()
+            await self.arrived.wait()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    async def step(self) -> None:
+        t_wait = time.monotonic()
+        batch = await self.next_batch()
+        wait_s = time.monotonic() - t_wait
+        self.ctx.set_status("busy", f"step {self.version + 1}")
+        samples = [to_sample(h.scored) for h in batch]
+        t0 = time.monotonic()
+        metrics = await anyio.to_thread.run_sync(self.learner.step, samples)
+        compute_s = time.monotonic() - t0
+        version = self.version
+        t1 = time.monotonic()
+        path = weights_dir(self.cfg, version)
+        manifest = await anyio.to_thread.run_sync(self.learner.save_weights, path)
+        save_s = time.monotonic() - t1
+        await self.publish_weights(version, path, manifest, save_s)
+        for held in batch:
+            self.pending.pop(held.task_id, None)
+            self.uncommitted[held.task_id] = held
+        heads = [h.head_version for h in batch]
+        staleness = [version - 1 - h for h in heads]
+        step_s = wait_s + compute_s + save_s
+        metrics.update(
+            wait_s=wait_s,
+            compute_s=compute_s,
+            save_s=save_s,
+            step_s=step_s,
+            staleness_mean=sum(staleness) / len(staleness),
+            staleness_max=float(max(staleness)),
+            trained_tokens_per_s=metrics.get("loss_tokens", 0.0) / step_s if step_s > 0 else 0.0,
+            bus_s=self.bus_seconds(),
+        )
+        event = TrainerStep(
+            step=version,
+            policy_version=version,
+            task_ids=[h.task_id for h in batch],
+            head_versions=heads,
+            metrics={k: float(v) for k, v in metrics.items()},
+        )
+        await self.bus.publish(
+            self.bus.subjects.trainer_step, event, msg_id=f"step-{version}-{time.time_ns()}"
+        )
+        self.record(version, event)
+        self.ctx.policy_version = version
+        log.info(
+            "step done",
+            step=version,
+            policy_version=version,
+            reward_mean=round(metrics.get("reward_mean", 0.0), 4),
+            loss=round(metrics.get("loss", 0.0), 5),
+            staleness_max=metrics["staleness_max"],
+            wait_s=round(wait_s, 2),
+            compute_s=round(compute_s, 2),
+            save_s=round(save_s, 2),
+        )
+        every = self.cfg.checkpoint.every_steps
+        if version % every == 0 or version >= self.cfg.trainer.total_steps:
+            await self.commit(version)
+
+    def bus_seconds(self) -> float:
+        stats = getattr(self.bus, "stats", {}) or {}
+        return float(stats.get("publish_s", 0.0)) + float(stats.get("decode_s", 0.0))
+
+    async def publish_weights(
+        self, version: int, path: Any, manifest: list[dict[str, Any]], seconds: float
+    ) -> None:
+        entries = [TensorEntry(**m) for m in manifest]
+        total = sum(_numel(m["shape"]) * _dtype_bytes(m["dtype"]) for m in manifest)
+        await self.bus.publish(
+            self.bus.subjects.weights_published,
+            WeightsPublished(
+                policy_version=version, path=str(path), manifest=entries, total_bytes=total, seconds=seconds
+            ),
+            policy_version=version,
+        )
+        await self.bus.kv_put(
+            "state", WEIGHTS_PUBLISHED_KEY, pack_record(policy_version=version, path=str(path))
+        )
+
+    def record(self, version: int, event: TrainerStep) -> None:
+        line = {"step": version, "policy_version": version, "time": time.time(), **event.metrics}
+        append_jsonl(self.metrics_file, line)
+        if self.tb is not None:
+            for key, value in event.metrics.items():
+                self.tb.add_scalar(f"train/{key}", value, version)
+            self.tb.flush()
+
+    async def commit(self, version: int) -> None:
+        """Checkpoint, then ack what it covers (never the other way round)."""
+        self.ctx.set_status("busy", f"checkpoint {version}")
+        trained = self.trained_ids | set(self.uncommitted)
+        t0 = time.monotonic()
+        extra = {"trained_task_ids": sorted(trained), "policy_version": version}
+        await anyio.to_thread.run_sync(
+            self.learner.checkpoint, self.cfg.run_dir, extra, self.cfg.checkpoint.keep
+        )
+        self.trained_ids = trained
+        for held in self.uncommitted.values():
+            await held.delivery.ack()
+        self.uncommitted.clear()
+        log.info(
+            "checkpoint committed",
+            step=version,
+            seconds=round(time.monotonic() - t0, 2),
+            trained=len(trained),
+        )
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}.get(dtype, 4)
+
+
+def _tensorboard(cfg: RunConfig) -> Any:
+    if not cfg.logging.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard not installed: metrics.jsonl still has everything
+        log.warning("tensorboard not installed; metrics only in metrics.jsonl")
+        return None
+    return SummaryWriter(log_dir=str(cfg.run_dir / "tensorboard"))
+
+
+def _restore(cfg: RunConfig, learner: Any) -> set[str]:
+    mode = cfg.checkpoint.resume
+    if mode == "never":
+        return set()
+    extra = learner.restore(cfg.run_dir)
+    if extra is None:
+        if mode == "must":
+            raise FileNotFoundError(
+                f"checkpoint.resume=must but {cfg.run_dir / 'checkpoints'} holds no checkpoint"
+            )
+        return set()
+    log.info(
+        "resumed from checkpoint", policy_version=learner.version, trained=len(extra["trained_task_ids"])
+    )
+    return set(extra["trained_task_ids"])
+
+
+async def serve(ctx: WorkerContext) -> None:
+    from areal_async.learner import Learner, init_trainer_process_group
+
+    cfg = ctx.cfg
+    init_trainer_process_group(cfg.trainer.device)
+    model_path = resolve_model_path(cfg.model.path)
+    learner = await anyio.to_thread.run_sync(Learner, cfg, model_path)
+    trained_ids = await anyio.to_thread.run_sync(_restore, cfg, learner)
+    trainer = Trainer(ctx, learner, trained_ids=trained_ids)
+    ctx.policy_version = learner.version
+    if learner.version > 0:
+        # Engines may serve versions from the lost future: bring them back to ours.
+        path = weights_dir(cfg, learner.version)
+        manifest = await anyio.to_thread.run_sync(learner.save_weights, path)
+        await trainer.publish_weights(learner.version, path, manifest, 0.0)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer.receive)
+            tg.start_soon(trainer.keep_alive)
+            tg.start_soon(_wake_on_end, ctx, trainer)
+            ctx.set_status("ready")
+            try:
+                while trainer.version < cfg.trainer.total_steps:
+                    await trainer.step()
+            except RunOver:
+                if trainer.uncommitted:
+                    await trainer.commit(trainer.version)
+            ctx.set_status("done", f"policy version {trainer.version}")
+            log.info("training finished", policy_version=trainer.version)
+            await ctx.ended.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        await anyio.to_thread.run_sync(learner.stop)
+
+
+async def _wake_on_end(ctx: WorkerContext, trainer: Trainer) -> None:
+    await ctx.ended.wait()
+    trainer.arrived.set()
+
+
+def follow(cfg: RunConfig) -> int:
+    """Ranks > 0 of a torchrun trainer: compute what rank 0 broadcasts."""
+    from areal_async.learner import Learner, init_trainer_process_group
+
+    init_trainer_process_group(cfg.trainer.device)
+    learner = Learner(cfg, resolve_model_path(cfg.model.path))
+    _restore(cfg, learner)
+    learner.follow()
+    return 0
+
+
+def is_follower() -> bool:
+    return int(os.environ.get("RANK", "0")) != 0

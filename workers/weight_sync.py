@@ -1,0 +1,204 @@
+"""Weight-sync worker: moves each new policy version from the trainer to every engine.
+
+Data flow: trainer --weights.published--> weight-sync --weights.load--> generation
+--weights.loaded--> weight-sync --weights.served (+ KV)--> controller.
+
+Protocol (DESIGN section 6): on a newer published version, tell every live engine that
+serves an older one to load it, wait until each live engine reports it (an engine whose
+heartbeat expires is dropped from the wait; one that joins later is told too), then
+publish ``weights.served`` and record it in the KV key the controller and joining
+engines read. Versions published while a sync is running are coalesced: the newest wins.
+Weight directories older than every served version (keeping ``weight_sync.keep_versions``
+recent ones) are deleted.
+
+Phase timings (``load_<engine>_s``, ``wait_s``, ``total_s``) travel on ``weights.served``.
+
+Run alone: areal-worker --role weight-sync --config configs/arith_cpu.yaml
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+
+import anyio
+import structlog
+
+from bus.events import Heartbeat, WeightsLoad, WeightsLoaded, WeightsPublished, WeightsServed
+from workers.common import (
+    WEIGHTS_PUBLISHED_KEY,
+    WEIGHTS_SERVED_KEY,
+    checked_weights_path,
+    pack_record,
+    unpack_record,
+    weights_root,
+)
+from workers.runtime import WorkerContext
+
+log = structlog.get_logger()
+
+
+@dataclass
+class EngineState:
+    version: int
+    seen_at: float
+    load_s: float = 0.0
+
+
+class WeightSync:
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.bus = ctx.bus
+        self.engines: dict[str, EngineState] = {}
+        self.target: tuple[int, str] | None = None
+        self.served = -1
+        self.changed = anyio.Event()
+
+    def poke(self) -> None:
+        self.changed.set()
+
+    def live_engines(self) -> dict[str, EngineState]:
+        ttl = self.cfg.bus.heartbeat_ttl_s
+        now = time.monotonic()
+        return {k: e for k, e in self.engines.items() if now - e.seen_at <= ttl}
+
+    async def watch_published(self) -> None:
+        raw = unpack_record(await self.bus.kv_get("state", WEIGHTS_PUBLISHED_KEY))
+        if raw:
+            self._publish_seen(int(raw["policy_version"]), str(raw["path"]))
+        served = unpack_record(await self.bus.kv_get("state", WEIGHTS_SERVED_KEY))
+        if served:
+            self.served = int(served["policy_version"])
+        async for ev in self.bus.subscribe(self.bus.subjects.weights_published):
+            if isinstance(ev, WeightsPublished):
+                self._publish_seen(ev.policy_version, ev.path)
+
+    def _publish_seen(self, version: int, path: str) -> None:
+        # A trainer restored from an older checkpoint publishes an older version: follow it.
+        if self.target is None or version != self.target[0]:
+            self.target = (version, path)
+            log.info("weights published", policy_version=version, path=path)
+            self.poke()
+
+    async def watch_heartbeats(self) -> None:
+        async for ev in self.bus.subscribe(self.bus.subjects.heartbeat_all):
+            if not isinstance(ev, Heartbeat) or ev.role != "generation":
+                continue
+            if ev.status == "stopped":
+                self.engines.pop(ev.worker_id, None)
+            else:
+                state = self.engines.setdefault(ev.worker_id, EngineState(ev.policy_version, 0.0))
+                state.seen_at = time.monotonic()
+                state.version = ev.policy_version
+            self.poke()
+
+    async def watch_loaded(self) -> None:
+        async for ev in self.bus.subscribe(self.bus.subjects.weights_loaded):
+            if not isinstance(ev, WeightsLoaded):
+                continue
+            state = self.engines.setdefault(ev.engine_id, EngineState(-1, time.monotonic()))
+            state.seen_at = time.monotonic()
+            if ev.ok:
+                state.version = ev.policy_version
+                state.load_s = ev.seconds
+            else:
+                log.error("engine failed to load weights", engine_id=ev.engine_id, error=ev.error)
+            self.poke()
+
+    async def sync_loop(self) -> None:
+        while True:
+            await self.changed.wait()
+            self.changed = anyio.Event()
+            if self.target is None:
+                continue
+            version, path = self.target
+            live = self.live_engines()
+            if not live:
+                self.ctx.set_status("waiting", "no live generation workers")
+                continue
+            lagging = [k for k, e in live.items() if e.version != version]
+            if lagging:
+                await self.sync(version, path)
+            elif self.served != version:
+                await self.mark_served(version, path, {"total_s": 0.0})
+
+    async def sync(self, version: int, path: str) -> None:
+        try:
+            checked_weights_path(self.cfg, path)
+        except Exception as exc:
+            log.error("refusing weights outside the run dir", path=path, error=str(exc))
+            self.target = None
+            return
+        self.ctx.set_status("busy", f"syncing v{version}")
+        started = time.monotonic()
+        told: set[str] = set()
+        with anyio.move_on_after(self.cfg.weight_sync.timeout_s) as scope:
+            while self.target == (version, path):
+                live = self.live_engines()
+                lagging = sorted(k for k, e in live.items() if e.version != version)
+                new = [k for k in lagging if k not in told]
+                if new:
+                    await self.bus.publish(
+                        self.bus.subjects.weights_load,
+                        WeightsLoad(policy_version=version, path=path, engine_ids=new),
+                        policy_version=version,
+                    )
+                    told.update(new)
+                if live and not lagging:
+                    break
+                await anyio.sleep(0.05)
+        if self.target != (version, path):
+            return  # superseded by a newer version; the loop picks it up
+        if scope.cancelled_caught:
+            log.warning("weight sync timed out; serving with the engines that loaded", policy_version=version)
+        live = self.live_engines()
+        timings = {f"load_{k}_s": e.load_s for k, e in live.items() if e.version == version}
+        timings["total_s"] = time.monotonic() - started
+        await self.mark_served(version, path, timings)
+
+    async def mark_served(self, version: int, path: str, timings: dict[str, float]) -> None:
+        engines = sorted(k for k, e in self.live_engines().items() if e.version == version)
+        self.served = version
+        self.ctx.policy_version = version
+        await self.bus.publish(
+            self.bus.subjects.weights_served,
+            WeightsServed(policy_version=version, engine_ids=engines, seconds=timings),
+            policy_version=version,
+        )
+        await self.bus.kv_put("state", WEIGHTS_SERVED_KEY, pack_record(policy_version=version, path=path))
+        log.info(
+            "weights served",
+            policy_version=version,
+            engines=len(engines),
+            **{k: round(v, 3) for k, v in timings.items() if k == "total_s"},
+        )
+        self.ctx.set_status("ready")
+        self.cleanup(version)
+
+    def cleanup(self, served: int) -> None:
+        """Delete weight dirs no engine serves and not among the newest ``keep_versions``."""
+        root = weights_root(self.cfg)
+        if not root.is_dir():
+            return
+        versions = sorted(
+            int(p.name[1:])
+            for p in root.iterdir()
+            if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit()
+        )
+        in_use = {e.version for e in self.live_engines().values()} | {served}
+        keep = set(versions[-self.cfg.weight_sync.keep_versions :]) | in_use
+        for v in versions:
+            if v not in keep and v < served:
+                shutil.rmtree(root / f"v{v}", ignore_errors=True)
+
+
+async def serve(ctx: WorkerContext) -> None:
+    sync = WeightSync(ctx)
+    ctx.set_status("ready")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sync.watch_heartbeats)
+        tg.start_soon(sync.watch_loaded)
+        tg.start_soon(sync.watch_published)
+        await sync.sync_loop()
