@@ -429,6 +429,17 @@ class RunConfig:
             raise ValueError(
                 f"name {self.name!r} may only hold letters, digits, '-' and '_' (it becomes a NATS subject token)"
             )
+        if self.max_inflight < self.trainer.batch_size:
+            raise ValueError(
+                f"rollout.max_inflight ({self.max_inflight}) is below trainer.batch_size "
+                f"({self.trainer.batch_size}): the trainer could never fill a batch; raise max_inflight"
+            )
+        loss, budget = self.trainer.loss, self.rollout.sampling.max_new_tokens
+        if loss.overlong_buffer > budget:
+            raise ValueError(
+                f"trainer.loss.overlong_buffer ({loss.overlong_buffer}) exceeds "
+                f"rollout.sampling.max_new_tokens ({budget}); lower the buffer"
+            )
 
     @property
     def run_dir(self) -> Path:

@@ -1,0 +1,70 @@
+"""The messaging layer: subjects, event schemas, NATS/JetStream plumbing, embedded server.
+
+Knows nothing of torch, models or ``areal_async``. Workers use it like this::
+
+    from bus import ConnectOptions, connect, events
+
+    bus = await connect(ConnectOptions(url="nats://127.0.0.1:4222", name="reward-0"), run="r1")
+    await bus.provision()                      # idempotent; every worker may call it
+    async with bus.consume("GENERATED") as deliveries:
+        async for d in deliveries:             # d.event is a validated RolloutGroup
+            scored = score(d.event)
+            await bus.publish(bus.subjects.rollout_scored, scored,
+                              msg_id=f"{d.event.task_id}:{d.event.attempt}")
+            await d.ack()
+    await bus.close()
+
+See ``bus.client`` for the delivery guarantees and ``bus.events`` for the wire format.
+"""
+
+from bus import events
+from bus.client import (
+    Bus,
+    BusConnectError,
+    BusError,
+    ConnectOptions,
+    Consumer,
+    Delivery,
+    KvConflict,
+    KvEntry,
+    KvWatch,
+    PayloadTooLarge,
+    ProvisionError,
+    Published,
+    StreamFull,
+    StreamNotFound,
+    Subscription,
+    connect,
+)
+from bus.embedded import EmbeddedServer, EmbeddedServerError, find_nats_server
+from bus.events import DecodeError, decode, encode
+from bus.subjects import StreamSpec, Subjects, validate_run_name
+
+__all__ = [
+    "Bus",
+    "BusConnectError",
+    "BusError",
+    "ConnectOptions",
+    "Consumer",
+    "DecodeError",
+    "Delivery",
+    "EmbeddedServer",
+    "EmbeddedServerError",
+    "KvConflict",
+    "KvEntry",
+    "KvWatch",
+    "PayloadTooLarge",
+    "ProvisionError",
+    "Published",
+    "StreamFull",
+    "StreamNotFound",
+    "StreamSpec",
+    "Subjects",
+    "Subscription",
+    "connect",
+    "decode",
+    "encode",
+    "events",
+    "find_nats_server",
+    "validate_run_name",
+]

@@ -294,7 +294,6 @@ class Controller:
             await self.issue_eval(final)
             return
         self.ended = True
-        self.ended_event.set()
         await self.save()
         reason = "total_steps reached" if done_training else "dataset exhausted"
         await self.bus.publish(
@@ -305,6 +304,7 @@ class Controller:
             "state", "run.ended", msgpack.packb({"reason": reason, "policy_version": final})
         )
         log.info("run ended", reason=reason, policy_version=final, issued=self.state.total_issued)
+        self.ended_event.set()
 
 
 async def serve(ctx: WorkerContext) -> None:

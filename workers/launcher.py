@@ -65,20 +65,25 @@ def _worker_argv(
     return [sys.executable, "-m", "workers.cli", *base]
 
 
-def _pump(child: Child, stream: object, out_lock: threading.Lock) -> None:
+def _pump(child: Child, stream: object, out_lock: threading.Lock, echo: bool, sink: Path) -> None:
     width = 12
-    for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
-        line = raw.decode(errors="replace").rstrip()
-        with out_lock:
-            sys.stdout.write(f"{child.role:>{width}} | {line}\n")
-            sys.stdout.flush()
+    with open(sink, "ab") as out:
+        for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
+            out.write(raw)
+            out.flush()
+            if echo:
+                line = raw.decode(errors="replace").rstrip()
+                with out_lock:
+                    sys.stdout.write(f"{child.role:>{width}} | {line}\n")
+                    sys.stdout.flush()
 
 
-def _start(child: Child, out_lock: threading.Lock) -> None:
+def _start(child: Child, out_lock: threading.Lock, echo: bool, logs: Path) -> None:
     child.proc = subprocess.Popen(
         child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
-    threading.Thread(target=_pump, args=(child, child.proc.stdout, out_lock), daemon=True).start()
+    sink = logs / f"{child.role}.out"
+    threading.Thread(target=_pump, args=(child, child.proc.stdout, out_lock, echo, sink), daemon=True).start()
 
 
 def _stop(children: Sequence[Child], grace: float) -> None:
@@ -141,11 +146,19 @@ def launch(config_path: str, overrides: Sequence[str], *, roles: Sequence[str], 
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     code = 0
+    live = live and sys.stdout.isatty()
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    display = _LiveDisplay(run_dir, children) if live else None
     try:
         for c in children:
-            _start(c, out_lock)
+            _start(c, out_lock, not live, logs)
+        if display is not None:
+            display.start()
         while not stopping.is_set():
             time.sleep(0.2)
+            if display is not None:
+                display.refresh()
             controller = next((c for c in children if c.role == "controller"), None)
             if controller and controller.proc and controller.proc.poll() == 0:
                 _wait_others(children, RUN_END_GRACE_S)
@@ -163,12 +176,14 @@ def launch(config_path: str, overrides: Sequence[str], *, roles: Sequence[str], 
                     break
                 c.restarts += 1
                 sys.stderr.write(f"warning: {c.role} exited with {rc}; restart {c.restarts}/{MAX_RESTARTS}\n")
-                _start(c, out_lock)
+                _start(c, out_lock, not live, logs)
             if not any(c.proc and c.proc.poll() is None for c in children):
                 break
         else:
             code = 130
     finally:
+        if display is not None:
+            display.stop()
         _stop(children, STOP_GRACE_S)
         if server is not None:
             server.stop()
@@ -176,6 +191,39 @@ def launch(config_path: str, overrides: Sequence[str], *, roles: Sequence[str], 
             signal.signal(s, h)
     _finish(cfg, time.monotonic() - started)
     return code
+
+
+class _LiveDisplay:
+    """rich Live table refreshed about once a second from the run dir."""
+
+    def __init__(self, run_dir: Path, children: Sequence[Child]) -> None:
+        from rich.live import Live
+
+        self.run_dir = run_dir
+        self.children = {c.role: c for c in children}
+        self.started = time.time()
+        self.live = Live(auto_refresh=False)
+        self.last = 0.0
+
+    def _proc(self, role: str) -> tuple[bool, int]:
+        c = self.children[role]
+        return (c.proc is not None and c.proc.poll() is None), c.restarts
+
+    def start(self) -> None:
+        self.live.start()
+
+    def refresh(self) -> None:
+        if time.monotonic() - self.last < 1.0:
+            return
+        from workers.live import render
+
+        self.last = time.monotonic()
+        self.live.update(render(self.run_dir, list(self.children), self._proc, self.started), refresh=True)
+
+    def stop(self) -> None:
+        self.last = 0.0
+        self.refresh()
+        self.live.stop()
 
 
 def _wait_others(children: Sequence[Child], grace: float) -> None:

@@ -47,7 +47,14 @@ from bus.events import (
     unpack_f32,
     unpack_i32,
 )
-from workers.common import WEIGHTS_PUBLISHED_KEY, append_jsonl, pack_record, resolve_model_path, weights_dir
+from workers.common import (
+    WEIGHTS_PUBLISHED_KEY,
+    append_jsonl,
+    pack_record,
+    resolve_model_path,
+    unpack_record,
+    weights_dir,
+)
 from workers.runtime import WorkerContext
 
 log = structlog.get_logger()
@@ -340,8 +347,9 @@ async def serve(ctx: WorkerContext) -> None:
     trained_ids = await anyio.to_thread.run_sync(_restore, cfg, learner)
     trainer = Trainer(ctx, learner, trained_ids=trained_ids)
     ctx.policy_version = learner.version
-    if learner.version > 0:
-        # Engines may serve versions from the lost future: bring them back to ours.
+    published = unpack_record(await ctx.bus.kv_get("state", WEIGHTS_PUBLISHED_KEY))
+    if published is not None and int(published["policy_version"]) != learner.version:
+        # Restarted behind what engines serve (the lost future): bring them back to our version.
         path = weights_dir(cfg, learner.version)
         manifest = await anyio.to_thread.run_sync(learner.save_weights, path)
         await trainer.publish_weights(learner.version, path, manifest, 0.0)

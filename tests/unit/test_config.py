@@ -131,3 +131,9 @@ def test_resolved_config_is_written_and_reloads_identically(tmp_path: Path) -> N
     path = write_resolved_config(cfg, "trainer")
     assert path == tmp_path / "demo" / "config" / "trainer.yaml"
     assert load_config(path) == cfg
+
+
+def test_max_inflight_below_batch_size_is_refused() -> None:
+    """A cap that can never fill one batch would deadlock the run; it is refused up front."""
+    with pytest.raises(ConfigError, match=r"max_inflight \(2\) is below trainer.batch_size \(4\)"):
+        load_config(None, ["rollout.max_inflight=2", "trainer.batch_size=4"])

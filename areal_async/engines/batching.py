@@ -1,0 +1,171 @@
+"""Training sequences, micro-batch packing and collation for the training engine.
+
+A `TrainSequence` is one completion of one prompt with everything the loss needs per
+completion token: the behaviour logprobs from the inference engine (pi_behave), the
+advantages, optionally pi_prox (the trainer's no-grad logprobs at the start of the step),
+reference-model logprobs and a loss weight.
+
+Layout of a collated micro-batch (`collate`): one sequence per row, right-padded to the
+longest row, every per-token tensor `[b, T]` aligned with `input_ids`. Column `t` of a
+per-token tensor belongs to token `input_ids[:, t]`: its logprob is
+`log p(input_ids[t] | input_ids[:t])`, read from the logits at position `t - 1`. So the
+first completion token of a row sits at column `len(prompt_ids)`, and `mask` is True
+exactly on the completion tokens (never on prompt or padding). Values outside `mask` are
+zero. Position ids are `0..T-1` on every row; right padding plus causal attention means a
+real token never attends to padding, so the engine needs no attention mask.
+
+Per-token fields accept lists, numpy arrays or 1-D tensors; arrays and tensors are
+copied into the batch without a Python loop, so prefer them for long completions.
+
+`pack_micro_batches` bins sequence indices so each micro-batch's padded size
+`rows * longest_row` stays within a token budget. It sorts by length (longest first, ties
+by index, so the result is deterministic) and fills bins greedily in that order, which
+keeps the padding inside a bin small. A sequence longer than the budget gets a bin of its
+own and a warning.
+
+Legend: B/b rows (sequences), T padded length, C completion length, P prompt length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+_PER_TOKEN = ("behave_logprobs", "advantages", "prox_logprobs", "ref_logprobs", "loss_weights")
+
+
+@dataclass(kw_only=True)
+class TrainSequence:
+    """One prompt + completion with per-completion-token training inputs (all length C)."""
+
+    prompt_ids: Sequence[int]
+    """Prompt token ids (P >= 1; the first token has no logprob)."""
+
+    completion_ids: Sequence[int]
+    """Generated token ids (C)."""
+
+    behave_logprobs: Sequence[float]
+    """pi_behave: logprob of each completion token under the policy that sampled it."""
+
+    advantages: Sequence[float]
+    """Advantage of each completion token."""
+
+    prox_logprobs: Sequence[float] | None = None
+    """pi_prox from `FSDPTrainEngine.compute_logprobs` at the start of the step;
+    None means pi_prox := pi_behave (standard PPO around the inference logprobs)."""
+
+    ref_logprobs: Sequence[float] | None = None
+    """Reference-model logprobs for a KL penalty (None: no reference)."""
+
+    loss_weights: Sequence[float] | None = None
+    """Per-token loss weight (None: 1.0 on every completion token)."""
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) < 1:
+            raise ValueError(
+                "a TrainSequence needs at least one prompt token (the first token has no logprob)"
+            )
+        n = len(self.completion_ids)
+        for name in _PER_TOKEN:
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(
+                    f"TrainSequence.{name} has {len(value)} values for {n} completion tokens; "
+                    "pass one value per completion token"
+                )
+
+    @property
+    def length(self) -> int:
+        """Total tokens P + C."""
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """C: tokens that carry a loss."""
+        return len(self.completion_ids)
+
+
+def pack_lengths(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Bin indices of `lengths` so each bin's `len(bin) * max(lengths in bin) <= token_budget`.
+
+    Longest first (ties by index), greedy fill; an over-budget length gets its own bin.
+    Bins list indices in descending length order; the result is deterministic.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        n = lengths[i]
+        if n > token_budget:
+            log.warning("sequence exceeds micro-batch budget", index=i, length=n, token_budget=token_budget)
+            bins.append([i])
+            continue
+        if current and (len(current) + 1) * longest <= token_budget:
+            current.append(i)
+            continue
+        if current:
+            bins.append(current)
+        current, longest = [i], n
+    if current:
+        bins.append(current)
+    return bins
+
+
+def pack_micro_batches(seqs: Sequence[TrainSequence], token_budget: int) -> list[list[int]]:
+    """Bin sequence indices into micro-batches of padded size `rows * longest <= token_budget`."""
+    return pack_lengths([s.length for s in seqs], token_budget)
+
+
+def collate(seqs: Sequence[TrainSequence], *, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad `seqs` into `[b, T]` tensors (layout in the module docstring).
+
+    Keys: input_ids, position_ids (int64); attention_mask, mask (bool); behave_logprobs,
+    prox_logprobs (pi_behave where a sequence has none), advantages, loss_weights, and
+    ref_logprobs when every sequence has them (float32).
+    """
+    if not seqs:
+        raise ValueError("collate needs at least one sequence")
+    has_ref = [s.ref_logprobs is not None for s in seqs]
+    if any(has_ref) and not all(has_ref):
+        raise ValueError("either every sequence in a batch has ref_logprobs or none does")
+    b, t = len(seqs), max(s.length for s in seqs)
+    input_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, t), dtype=torch.bool)
+    mask = torch.zeros((b, t), dtype=torch.bool)
+    names = ["behave_logprobs", "prox_logprobs", "advantages", "loss_weights"] + (
+        ["ref_logprobs"] if all(has_ref) else []
+    )
+    per_token = {name: torch.zeros((b, t), dtype=torch.float32) for name in names}
+    for row, s in enumerate(seqs):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[row, :p] = torch.as_tensor(s.prompt_ids, dtype=torch.long)
+        attention_mask[row, : p + c] = True
+        if c == 0:
+            continue
+        input_ids[row, p : p + c] = torch.as_tensor(s.completion_ids, dtype=torch.long)
+        mask[row, p : p + c] = True
+        values = {
+            "behave_logprobs": s.behave_logprobs,
+            "prox_logprobs": s.prox_logprobs if s.prox_logprobs is not None else s.behave_logprobs,
+            "advantages": s.advantages,
+            "loss_weights": s.loss_weights if s.loss_weights is not None else [1.0] * c,
+            "ref_logprobs": s.ref_logprobs,
+        }
+        for name in names:
+            per_token[name][row, p : p + c] = torch.as_tensor(values[name], dtype=torch.float32)
+    position_ids = torch.arange(t, dtype=torch.long).expand(b, t).contiguous()
+    return {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "attention_mask": attention_mask,
+        "mask": mask,
+        **per_token,
+    }

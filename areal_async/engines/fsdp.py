@@ -1,0 +1,597 @@
+"""Training engine: a Hugging Face causal LM under PyTorch FSDP2, trained by a loss callable.
+
+Process model. Without a process group the engine trains a plain module in this process.
+Under torchrun (`init_distributed` creates the group: gloo on CPU, NCCL on GPU) every
+decoder layer and then the root are wrapped with `fully_shard`, parameters are sharded
+over the ranks and gradients are summed (not averaged) across ranks.
+
+Data contract. The caller scatters the batch: each rank passes its own shard of
+`TrainSequence`s to `compute_logprobs` / `train_step`, and every rank must call these
+(and `save_hf`, `state_dict`, `load_state_dict`) in the same order, because they run
+collectives. Ranks may hold different numbers of sequences (also none); the engine pads
+with empty micro-batches so all ranks run the same number of forward/backward passes.
+
+Loss contract (docs/CONTRACTS.md). `train_step(seqs, loss_fn)` packs each rank's shard
+into micro-batches by padded token budget and calls `loss_fn(mb) -> (loss, stats)` once
+per micro-batch. `mb` holds the `[b, T]` tensors of `batching.collate` (input_ids, mask,
+behave_logprobs, prox_logprobs, advantages, loss_weights, ref_logprobs?) plus
+`logprobs` (pi_theta, float32, with grad), `entropy` (float32, no grad) and the 0-d
+tensor `global_tokens`: the loss denominator of the whole step over all ranks (argument
+of `train_step`; by default the completion tokens of all ranks, all-reduced). `loss` must
+already be divided by it, so that summing the micro-batch losses of all ranks gives the
+step loss; gradients are summed across ranks the same way (FSDP averaging is off).
+Stats are summed over micro-batches and ranks, except keys ending in `_max` (maximum).
+
+Numerics. Master weights and optimizer state are float32; `dtype="bfloat16"` runs the
+forward under autocast. Token logprobs and entropy are computed in float32 from the
+logits of the completion tokens only, `logprob_chunk_tokens` rows at a time; with grad
+and more rows than one chunk each chunk is recomputed in backward, so the `[tokens,
+vocab]` logits never exist for the whole micro-batch. `temperature` divides the logits,
+matching the sampler that produced pi_behave.
+
+Weights out. `save_hf(dir)` writes a Hugging Face directory (config.json,
+model.safetensors, tokenizer files of `model_path`) atomically and returns the manifest
+`[{name, shape, dtype, sha256}]` (sha256 of each tensor's raw little-endian bytes, as
+stored in the file) on every rank. `state_dict()` / `load_state_dict()` carry model,
+optimizer, scheduler and `version` as full (unsharded) state dicts, so a checkpoint
+loads into any world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from areal_async.checkpoint import fsync_tree, replace_dir
+from areal_async.engines.batching import TrainSequence, collate, pack_micro_batches
+
+log = structlog.get_logger(__name__)
+
+LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, float | torch.Tensor]]]
+"""`loss_fn(mb) -> (loss, stats)`; see the loss contract in the module docstring."""
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+_MODEL_PREFIX = "hf."
+_ENTROPY_ROWS = 1024
+
+
+def init_distributed(device: str = "cpu") -> tuple[int, int]:
+    """Join the torchrun process group if this process was started by torchrun.
+
+    Returns `(rank, world_size)`; `(0, 1)` without torchrun's environment. gloo on CPU,
+    NCCL on CUDA (the CUDA device is `LOCAL_RANK`).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return 0, 1
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    schedule: Literal["constant", "cosine"],
+    min_lr_ratio: float,
+) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up, then constant or cosine."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's raw bytes in row-major order (how safetensors stores it)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(memoryview(flat.view(torch.uint8).numpy())).hexdigest()
+
+
+def _token_logprobs(
+    hidden_NH: torch.Tensor, targets_N: torch.Tensor, head: nn.Module, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logprob of each target and the entropy (no grad; zeros unless `with_entropy`) of each row."""
+    logits = head(hidden_NH).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logprobs, torch.zeros_like(logprobs)
+    with torch.no_grad():  # row blocks: no second [rows, vocab] float32 temporary
+        entropy = torch.cat([-(block.exp() * block).sum(-1) for block in logp_all.split(_ENTROPY_ROWS)])
+    return logprobs, entropy
+
+
+class _TokenLogprobModel(nn.Module):
+    """FSDP root: decoder -> hidden states -> logprobs/entropy of the selected tokens only."""
+
+    def __init__(self, hf: nn.Module, *, temperature: float, chunk_tokens: int) -> None:
+        super().__init__()
+        self.hf = hf
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        target_mask: torch.Tensor,
+        with_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[b, T]` logprobs and entropy of tokens where `target_mask`, zero elsewhere (column 0 never)."""
+        hidden = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden_BTH = hidden.last_hidden_state
+        b, t = input_ids.shape
+        head = self.hf.get_output_embeddings()
+        select = target_mask[:, 1:]
+        hidden_NH = hidden_BTH[:, :-1][select]
+        if hidden_NH.shape[0] == 0:
+            # Keep every parameter in the graph: all ranks must run the same gradient reductions.
+            anchor = head(hidden_BTH[:1, :1]).float().sum() * 0.0
+            zeros = torch.zeros((b, t), dtype=torch.float32, device=input_ids.device) + anchor
+            return zeros, zeros.detach()
+        targets_N = input_ids[:, 1:][select]
+        n, chunk = hidden_NH.shape[0], self.chunk_tokens
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for start in range(0, n, chunk):
+            args = (
+                hidden_NH[start : start + chunk],
+                targets_N[start : start + chunk],
+                head,
+                self.temperature,
+                with_entropy,
+            )
+            if torch.is_grad_enabled() and n > chunk:
+                parts.append(checkpoint(_token_logprobs, *args, use_reentrant=False))
+            else:
+                parts.append(_token_logprobs(*args))
+        logprobs_N = torch.cat([p[0] for p in parts])
+        entropy_N = torch.cat([p[1] for p in parts])
+        base = torch.zeros((b, t - 1), dtype=torch.float32, device=input_ids.device)
+        logprobs_BT = F.pad(base.masked_scatter(select, logprobs_N), (1, 0))
+        entropy_BT = F.pad(base.masked_scatter(select, entropy_N), (1, 0))
+        return logprobs_BT, entropy_BT
+
+
+class FSDPTrainEngine:
+    """A causal LM, its AdamW optimizer and lr schedule; one instance per rank."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        lr: float = 1e-5,
+        betas: tuple[float, float] | Sequence[float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        total_steps: int = 1,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
+        min_lr_ratio: float = 0.0,
+        grad_clip: float = 1.0,
+        micro_batch_tokens: int = 4096,
+        device: Literal["cpu", "cuda"] | str = "cpu",
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        temperature: float = 1.0,
+        logprob_chunk_tokens: int = 4096,
+        compile: bool = False,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
+        if micro_batch_tokens < 1 or logprob_chunk_tokens < 1:
+            raise ValueError("micro_batch_tokens and logprob_chunk_tokens must be >= 1")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.model_path = Path(model_path)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        if device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device(device)
+        self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
+        self.micro_batch_tokens = micro_batch_tokens
+        self.grad_clip = grad_clip
+        self.version = 0
+        """Policy version: optimizer steps taken since the initial weights (version 0)."""
+
+        torch.manual_seed(seed)
+        hf = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        self.config = hf.config
+        pad = getattr(hf.config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if isinstance(pad, int) and 0 <= pad < hf.config.vocab_size else 0
+        if gradient_checkpointing:
+            enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5.x
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        decoder_layers = hf.get_decoder().layers
+        if compile:
+            # Compile blocks, then shard the compiled wrappers (FSDP hooks stay outside the graphs);
+            # the torch.distributed.checkpoint helpers strip the `_orig_mod` prefix from names.
+            for i, layer in enumerate(decoder_layers):
+                decoder_layers[i] = torch.compile(layer)
+        layers = list(decoder_layers)
+        self.model = _TokenLogprobModel(hf, temperature=temperature, chunk_tokens=logprob_chunk_tokens)
+        if self.distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            for layer in layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    # loss_fn divides by the global token count already: sum gradients, do not average.
+                    # Plain SUM (gloo has no pre-multiplied sum).
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
+        else:
+            self.model.to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=lr,
+            betas=(float(betas[0]), float(betas[1])),
+            eps=eps,
+            weight_decay=weight_decay,
+            **({"fused": True} if self.device.type == "cuda" else {}),
+        )
+        schedule = functools.partial(
+            lr_factor,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            schedule=lr_schedule,
+            min_lr_ratio=min_lr_ratio,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        log.info(
+            "train engine ready",
+            model=str(self.model_path),
+            params=sum(p.numel() for p in self.params),
+            world_size=self.world_size,
+            device=str(self.device),
+            dtype=dtype,
+            fsdp=self.distributed,
+        )
+
+    # ----------------------------------------------------------------- helpers
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(
+            self.device.type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        )
+
+    def _all_reduce(
+        self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> list[float]:
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def _micro_batches(self, seqs: Sequence[TrainSequence]) -> list[list[int] | None]:
+        """This rank's bins, padded with None (an empty pass) to the largest bin count of any rank."""
+        bins: list[list[int] | None] = list(pack_micro_batches(seqs, self.micro_batch_tokens))
+        total = int(self._all_reduce([float(len(bins))], dist.ReduceOp.MAX)[0])
+        return bins + [None] * (total - len(bins))
+
+    def _forward(
+        self, mb: dict[str, torch.Tensor], *, with_entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast():
+            return self.model(mb["input_ids"], mb["position_ids"], mb["mask"], with_entropy)
+
+    def _empty_batch(self) -> dict[str, torch.Tensor]:
+        ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((1, 2), dtype=torch.bool, device=self.device)
+        return {"input_ids": ids, "position_ids": torch.arange(2, device=self.device)[None], "mask": mask}
+
+    def _collate(self, seqs: Sequence[TrainSequence]) -> dict[str, torch.Tensor]:
+        mb = collate(seqs, pad_token_id=self.pad_token_id)
+        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ public
+
+    @torch.no_grad()
+    def compute_logprobs(self, seqs: Sequence[TrainSequence]) -> list[torch.Tensor]:
+        """No-grad float32 logprobs of each sequence's completion tokens (CPU tensors of length C).
+
+        Used for pi_prox at the start of a step and for reference-model logprobs. Collective.
+        """
+        self.model.eval()
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        for bin_ in self._micro_batches(seqs):
+            if bin_ is None:
+                self._forward(self._empty_batch(), with_entropy=False)
+                continue
+            rows = [seqs[i] for i in bin_]
+            logprobs_BT, _ = self._forward(self._collate(rows), with_entropy=False)
+            logprobs_BT = logprobs_BT.cpu()
+            for row, i in enumerate(bin_):
+                p, c = len(seqs[i].prompt_ids), seqs[i].num_completion_tokens
+                out[i] = logprobs_BT[row, p : p + c].clone()
+        return [t if t is not None else torch.zeros(0) for t in out]
+
+    def train_step(
+        self, seqs: Sequence[TrainSequence], loss_fn: LossFn, *, global_tokens: int | float | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's shard `seqs`; returns metrics reduced over ranks.
+
+        `global_tokens` is the loss denominator of the whole step, handed to `loss_fn` as
+        `mb["global_tokens"]`; None means the completion tokens of all ranks (token mean).
+        Pass the global sequence count (etc.) for sequence-mean aggregations.
+
+        Metrics: loss (sum over micro-batches and ranks), grad_norm (global, before
+        clipping), lr (used by this step), entropy (mean over completion tokens),
+        loss_tokens (completion tokens), total_tokens (non-pad tokens), tokens_per_s
+        (total_tokens / compute_seconds), compute_seconds (slowest rank), micro_batches,
+        skipped (1 when the gradient norm was not finite and the update was dropped), and
+        every key of loss_fn's stats, summed over micro-batches and ranks (keys ending in
+        `_max`: maximum). A stat named like an engine metric is reported as
+        `loss_fn/<key>`. Collective.
+        """
+        self._sync()
+        start = time.perf_counter()
+        self.model.train()
+        local_loss_tokens = sum(s.num_completion_tokens for s in seqs)
+        local_tokens = sum(s.length for s in seqs)
+        if global_tokens is None:
+            global_tokens = self._all_reduce([float(local_loss_tokens)])[0]
+        denominator = torch.tensor(float(max(global_tokens, 1)), device=self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        stats_acc: dict[str, torch.Tensor] = {}
+        bins = self._micro_batches(seqs)
+        for bin_ in bins:
+            if bin_ is None:
+                logprobs_BT, _ = self._forward(self._empty_batch())
+                (logprobs_BT.sum() * 0.0).backward()
+                continue
+            mb = self._collate([seqs[i] for i in bin_])
+            logprobs_BT, entropy_BT = self._forward(mb)
+            mb.update(logprobs=logprobs_BT, entropy=entropy_BT, global_tokens=denominator)
+            loss, stats = loss_fn(mb)
+            loss.backward()
+            loss_sum += loss.detach().double()
+            entropy_sum += (entropy_BT * mb["mask"]).sum().double()
+            for key, value in stats.items():
+                v = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
+                if key not in stats_acc:
+                    stats_acc[key] = v
+                elif key.endswith("_max"):
+                    stats_acc[key] = torch.maximum(stats_acc[key], v)
+                else:
+                    stats_acc[key] = stats_acc[key] + v
+
+        grad_norm = self._clip_gradients()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            log.warning(
+                "non-finite gradient norm, update skipped", grad_norm=grad_norm, policy_version=self.version
+            )
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.version += 1
+        self._sync()
+        seconds = time.perf_counter() - start
+
+        engine_sums = [loss_sum, entropy_sum, float(local_tokens), float(local_loss_tokens)]
+        sums, maxes = self._reduce_stats(stats_acc, engine_sums, [seconds])
+        loss_value, entropy_total, total_tokens, loss_tokens = (sums.pop(k) for k in range(4))
+        seconds = maxes.pop(0)
+        metrics: dict[str, float] = {
+            "loss": loss_value,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "entropy": entropy_total / max(loss_tokens, 1.0),
+            "loss_tokens": loss_tokens,
+            "total_tokens": total_tokens,
+            "tokens_per_s": total_tokens / seconds if seconds > 0 else 0.0,
+            "compute_seconds": seconds,
+            "micro_batches": float(len(bins)),
+            "skipped": float(skipped),
+        }
+        for key, value in (sums | maxes).items():
+            metrics[f"loss_fn/{key}" if key in metrics else key] = value
+        log.debug("train step done", policy_version=self.version, **metrics)
+        return metrics
+
+    def _reduce_stats(
+        self, stats: dict[str, torch.Tensor], sums: list[torch.Tensor | float], maxes: list[float]
+    ) -> tuple[dict[Any, float], dict[Any, float]]:
+        """All-reduce `sums` + summed stats (SUM) and `maxes` + `_max` stats (MAX) in two collectives.
+
+        Returns dicts keyed by position for the engine values and by name for the stats.
+        """
+        keys = sorted(stats)
+        if self.distributed:
+            gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+            dist.all_gather_object(gathered, keys)
+            keys = sorted(set().union(*gathered))
+        sum_keys = [k for k in keys if not k.endswith("_max")]
+        max_keys = [k for k in keys if k.endswith("_max")]
+
+        def as_tensor(value: torch.Tensor | float) -> torch.Tensor:
+            return torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
+
+        sum_t = torch.stack([as_tensor(v) for v in sums] + [as_tensor(stats.get(k, 0.0)) for k in sum_keys])
+        max_t = torch.stack(
+            [as_tensor(v) for v in maxes] + [as_tensor(stats.get(k, -math.inf)) for k in max_keys]
+        )
+        if self.distributed:
+            dist.all_reduce(sum_t)
+            dist.all_reduce(max_t, op=dist.ReduceOp.MAX)
+        sum_list, max_list = sum_t.tolist(), max_t.tolist()
+        out_sums: dict[Any, float] = dict(enumerate(sum_list[: len(sums)]))
+        out_sums.update(zip(sum_keys, sum_list[len(sums) :], strict=True))
+        out_maxes: dict[Any, float] = dict(enumerate(max_list[: len(maxes)]))
+        out_maxes.update(zip(max_keys, max_list[len(maxes) :], strict=True))
+        return out_sums, out_maxes
+
+    def _clip_gradients(self) -> float:
+        """Global gradient norm over all ranks (before clipping); clips in place when grad_clip > 0."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total)
+        return float(total)
+
+    def save_hf(
+        self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
+    ) -> list[dict[str, Any]]:
+        """Write a Hugging Face checkpoint to `path` atomically; return its manifest on every rank.
+
+        Weights are float32 (the master weights) unless `dtype` is given. Collective: all
+        ranks gather the full state dict, rank 0 writes `path.tmp` and renames it to `path`.
+        """
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        start = time.perf_counter()
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        manifest: list[dict[str, Any]] = []
+        if self.rank == 0:
+            path = Path(path)
+            tied = bool(getattr(self.config, "tie_word_embeddings", False))
+            tensors: dict[str, torch.Tensor] = {}
+            for key, value in state.items():
+                name = key.removeprefix(_MODEL_PREFIX)
+                if tied and name == "lm_head.weight":
+                    continue
+                tensor = value.detach().to(dtype) if dtype is not None else value.detach()
+                tensors[name] = tensor.contiguous().clone()
+            for name, tensor in tensors.items():
+                manifest.append(
+                    {
+                        "name": name,
+                        "shape": list(tensor.shape),
+                        "dtype": str(tensor.dtype).removeprefix("torch."),
+                        "sha256": tensor_sha256(tensor),
+                    }
+                )
+            tmp = path.with_name(path.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            config = copy.deepcopy(self.config)
+            config.dtype = dtype or torch.float32
+            config.save_pretrained(tmp)
+            for name in TOKENIZER_FILES:
+                if (self.model_path / name).is_file():
+                    shutil.copy2(self.model_path / name, tmp / name)
+            (tmp / "manifest.json").write_text(json.dumps(manifest))
+            fsync_tree(tmp)
+            replace_dir(tmp, path)
+            log.info(
+                "weights saved",
+                path=str(path),
+                policy_version=self.version,
+                tensors=len(manifest),
+                seconds=round(time.perf_counter() - start, 3),
+            )
+        if self.distributed:
+            box: list[Any] = [manifest]
+            dist.broadcast_object_list(box, src=0)
+            manifest = box[0]
+        return manifest
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full model/optimizer state (CPU), scheduler state and version. Collective.
+
+        Rank 0 gets the full tensors; other ranks get empty model/optimizer dicts. Unsharded,
+        tensors may alias live parameters: serialise before the next step.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            "model": get_model_state_dict(self.model, options=options),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s output. Collective: every rank passes the full state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])

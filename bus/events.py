@@ -1,0 +1,491 @@
+"""Every event on the wire: typed msgspec Structs, MessagePack encoded.
+
+Contract (docs/CONTRACTS.md):
+
+* An event is a msgpack map. It carries ``schema`` (the event name, e.g. "PromptTask") and
+  ``schema_version`` (1). Plain ``msgpack.unpackb`` reads every event.
+* Evolution: the only allowed change is a new field with a default. Readers ignore fields
+  they do not know (an old reader reads a newer event) and fill defaults for fields a writer
+  did not send (a new reader reads an old event). A breaking change bumps
+  ``schema_version``; readers refuse versions they do not know.
+* Token ids, logprobs and per-token versions travel as packed little-endian int32/float32
+  bytes (``pack_i32`` / ``pack_f32`` / ``unpack_i32`` / ``unpack_f32``), never lists.
+* ``decode`` raises exactly one error type, ``DecodeError``, for anything that is not a
+  valid event of the expected type: the consumer dead-letters it and goes on.
+* Headers (``headers_for``) repeat the event name, run and policy version so the NATS CLI
+  can filter without decoding bodies.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal, TypeVar
+
+import msgspec
+import numpy as np
+
+from bus import subjects as subj
+
+__all__ = [
+    "Completion",
+    "DeadLetter",
+    "DecodeError",
+    "Event",
+    "EVENT_TYPES",
+    "Heartbeat",
+    "MetricsReport",
+    "PromptTask",
+    "RolloutFailed",
+    "RolloutGroup",
+    "RunEnded",
+    "ScoredGroup",
+    "SUBJECT_TYPES",
+    "TensorEntry",
+    "TrainerStep",
+    "WeightsLoad",
+    "WeightsLoaded",
+    "WeightsPublished",
+    "WeightsServed",
+    "decode",
+    "encode",
+    "event_name",
+    "expected_type",
+    "headers_for",
+    "pack_f32",
+    "pack_i32",
+    "unpack_f32",
+    "unpack_i32",
+]
+
+HEADER_EVENT = "Areal-Event"
+HEADER_RUN = "Areal-Run"
+HEADER_POLICY_VERSION = "Areal-Policy-Version"
+HEADER_MSG_ID = "Nats-Msg-Id"
+
+TaskKind = Literal["train", "eval"]
+FailReason = Literal["stale", "future", "error", "filtered"]
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+class DecodeError(Exception):
+    """A payload is not a valid event (of the expected type); ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------------
+# packed arrays
+
+
+def _check_packed(data: bytes, field: str, width: int = 4) -> None:
+    if len(data) % width:
+        raise ValueError(f"{field}: {len(data)} bytes is not a multiple of {width} (packed int32/float32)")
+
+
+def pack_i32(values: Sequence[int] | np.ndarray) -> bytes:
+    """Little-endian int32 bytes of ``values`` (a list or an integer array); refuses overflow."""
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return b""
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"pack_i32 needs integers, got dtype {arr.dtype}")
+    if arr.dtype != _I32 and (arr.min() < -(2**31) or arr.max() >= 2**31):
+        raise ValueError(f"pack_i32: values out of int32 range [{arr.min()}, {arr.max()}]")
+    return np.ascontiguousarray(arr.reshape(-1), dtype=_I32).tobytes()
+
+
+def pack_f32(values: Sequence[float] | np.ndarray) -> bytes:
+    """Little-endian float32 bytes of ``values`` (a list or a numeric array)."""
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return b""
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"pack_f32 needs numbers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr.reshape(-1), dtype=_F32).tobytes()
+
+
+def unpack_i32(data: bytes, field: str = "data") -> np.ndarray:
+    """A read-only int32 array over ``data``; ValueError naming ``field`` if the length is wrong."""
+    _check_packed(data, field)
+    return np.frombuffer(data, dtype=_I32)
+
+
+def unpack_f32(data: bytes, field: str = "data") -> np.ndarray:
+    """A read-only float32 array over ``data``; ValueError naming ``field`` if the length is wrong."""
+    _check_packed(data, field)
+    return np.frombuffer(data, dtype=_F32)
+
+
+# ---------------------------------------------------------------------------------------------
+# schemas
+
+
+class Event(msgspec.Struct, tag_field="schema", tag=True, kw_only=True, frozen=True):
+    """Base of every top-level event; the tag (``schema``) is the class name."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    """The version this code writes and the highest it reads."""
+
+    schema_version: int = 1
+
+
+class Completion(msgspec.Struct, kw_only=True, frozen=True):
+    """One sampled completion; packed arrays are aligned token by token (prompt excluded)."""
+
+    token_ids: bytes
+    logprobs: bytes
+    versions: bytes
+    finish_reason: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        _check_packed(self.token_ids, "token_ids")
+        _check_packed(self.logprobs, "logprobs")
+        _check_packed(self.versions, "versions")
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"token_ids, logprobs and versions must have one entry per token, got "
+                f"{n // 4}, {len(self.logprobs) // 4}, {len(self.versions) // 4}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) // 4
+
+
+class TensorEntry(msgspec.Struct, kw_only=True, frozen=True):
+    """One tensor of a weights manifest."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    sha256: str
+
+
+class PromptTask(Event, kw_only=True):
+    """controller -> generation: sample ``group_size`` completions for one dataset row."""
+
+    task_id: str
+    kind: TaskKind
+    index: int
+    epoch: int
+    attempt: int = 0
+    row: dict[str, Any]
+    issued_at: float
+
+
+class RolloutGroup(Event, kw_only=True):
+    """generation -> reward: the completions of one task, with per-token versions."""
+
+    task_id: str
+    kind: TaskKind
+    index: int
+    epoch: int
+    attempt: int
+    row: dict[str, Any]
+    engine_id: str
+    prompt_ids: bytes
+    completions: list[Completion]
+    head_version: int
+    tail_version: int
+    timings: dict[str, float] = {}
+
+    def __post_init__(self) -> None:
+        _check_packed(self.prompt_ids, "prompt_ids")
+
+
+class ScoredGroup(Event, kw_only=True):
+    """reward -> trainer (rollout.scored) or controller (eval.scored): one reward per completion."""
+
+    group: RolloutGroup
+    rewards: list[float]
+    reward_errors: list[str]
+    reward_seconds: float
+
+    def __post_init__(self) -> None:
+        n = len(self.group.completions)
+        if len(self.rewards) != n or len(self.reward_errors) != n:
+            raise ValueError(
+                f"rewards and reward_errors need one entry per completion ({n}), got "
+                f"{len(self.rewards)} and {len(self.reward_errors)}"
+            )
+
+
+class RolloutFailed(Event, kw_only=True):
+    """Why a task produced nothing trainable; the controller re-issues or counts it."""
+
+    task_id: str
+    kind: TaskKind
+    index: int
+    epoch: int
+    attempt: int
+    reason: FailReason
+    detail: str
+    head_version: int = -1
+    trainer_version: int = -1
+
+
+class TrainerStep(Event, kw_only=True):
+    """trainer -> controller: one optimizer step committed (kept in STEPS for audit)."""
+
+    step: int
+    policy_version: int
+    task_ids: list[str]
+    head_versions: list[int]
+    metrics: dict[str, float] = {}
+
+
+class WeightsPublished(Event, kw_only=True):
+    """trainer -> weight-sync: a new checkpoint of ``policy_version`` is on disk at ``path``."""
+
+    policy_version: int
+    path: str
+    manifest: list[TensorEntry]
+    total_bytes: int
+    seconds: float
+
+
+class WeightsLoad(Event, kw_only=True):
+    """weight-sync -> generation: load ``path``; ``engine_ids`` empty means every engine."""
+
+    policy_version: int
+    path: str
+    engine_ids: list[str] = []
+
+
+class WeightsLoaded(Event, kw_only=True):
+    """generation -> weight-sync: one engine finished (or failed) loading a version."""
+
+    policy_version: int
+    engine_id: str
+    ok: bool
+    error: str = ""
+    seconds: float
+
+
+class WeightsServed(Event, kw_only=True):
+    """weight-sync -> everyone: every live engine serves ``policy_version``."""
+
+    policy_version: int
+    engine_ids: list[str]
+    seconds: dict[str, float] = {}
+
+
+class Heartbeat(Event, kw_only=True):
+    """Liveness of one worker (core NATS and the workers KV bucket)."""
+
+    role: str
+    worker_id: str
+    host: str
+    pid: int
+    policy_version: int = -1
+    status: str
+    detail: str = ""
+    load: dict[str, float] = {}
+    sent_at: float
+
+
+class DeadLetter(Event, kw_only=True):
+    """A payload that failed to decode or validate, with the reason and the raw bytes."""
+
+    subject: str
+    reason: str
+    data: bytes
+    headers: dict[str, str] = {}
+    worker_id: str
+    received_at: float
+
+
+class MetricsReport(Event, kw_only=True):
+    """Per-step metrics for live dashboards (core NATS)."""
+
+    step: int
+    policy_version: int
+    values: dict[str, float]
+
+
+class RunEnded(Event, kw_only=True):
+    """The controller ended the run; workers drain and exit."""
+
+    reason: str
+    policy_version: int
+    steps: int
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    t.__name__: t
+    for t in (
+        PromptTask,
+        RolloutGroup,
+        ScoredGroup,
+        RolloutFailed,
+        TrainerStep,
+        WeightsPublished,
+        WeightsLoad,
+        WeightsLoaded,
+        WeightsServed,
+        Heartbeat,
+        DeadLetter,
+        MetricsReport,
+        RunEnded,
+    )
+}
+"""Schema name -> type."""
+
+SUBJECT_TYPES: dict[str, type[Event]] = {
+    subj.PROMPT: PromptTask,
+    subj.ROLLOUT_GENERATED: RolloutGroup,
+    subj.ROLLOUT_SCORED: ScoredGroup,
+    subj.EVAL_SCORED: ScoredGroup,
+    subj.ROLLOUT_FAILED: RolloutFailed,
+    subj.TRAINER_STEP: TrainerStep,
+    subj.WEIGHTS_PUBLISHED: WeightsPublished,
+    subj.WEIGHTS_LOAD: WeightsLoad,
+    subj.WEIGHTS_LOADED: WeightsLoaded,
+    subj.WEIGHTS_SERVED: WeightsServed,
+    subj.HEARTBEAT: Heartbeat,  # heartbeat.<role>.<worker_id>
+    subj.DEADLETTER: DeadLetter,
+    subj.METRICS: MetricsReport,
+    subj.RUN_ENDED: RunEnded,
+}
+"""Subject suffix (relative to ``areal.<run>.``) -> the one event type it carries."""
+
+E = TypeVar("E", bound=Event)
+
+_encoder = msgspec.msgpack.Encoder()
+_any_decoder = msgspec.msgpack.Decoder(
+    PromptTask
+    | RolloutGroup
+    | ScoredGroup
+    | RolloutFailed
+    | TrainerStep
+    | WeightsPublished
+    | WeightsLoad
+    | WeightsLoaded
+    | WeightsServed
+    | Heartbeat
+    | DeadLetter
+    | MetricsReport
+    | RunEnded
+)
+
+
+class _Peek(msgspec.Struct):
+    """Just the envelope, read leniently to explain why a full decode failed."""
+
+    schema: Any = None
+    schema_version: Any = None
+
+
+_peek_decoder = msgspec.msgpack.Decoder(_Peek)
+
+
+@functools.cache
+def _decoder_for(tp: type[Event]) -> msgspec.msgpack.Decoder[Any]:
+    return msgspec.msgpack.Decoder(tp)
+
+
+def expected_type(subject: str) -> type[Event] | None:
+    """The event type ``subject`` (``areal.<run>.<suffix>``) carries, or None if it is not ours."""
+    suffix = subj.subject_suffix(subject)
+    if suffix is None:
+        return None
+    if suffix.startswith(subj.HEARTBEAT + "."):
+        return Heartbeat
+    return SUBJECT_TYPES.get(suffix)
+
+
+def event_name(event: Event | type[Event]) -> str:
+    """The schema name (tag) of an event or event type."""
+    return str(event.__struct_config__.tag)
+
+
+def encode(event: Event) -> bytes:
+    """MessagePack bytes of ``event`` (a map with ``schema`` and ``schema_version``)."""
+    if not isinstance(event, Event):
+        raise TypeError(f"encode() needs a bus.events.Event, got {type(event).__name__}")
+    return _encoder.encode(event)
+
+
+def _explain(data: bytes, error: Exception) -> str:
+    try:
+        peek = _peek_decoder.decode(data)
+    except msgspec.ValidationError:
+        return "not an event: expected a msgpack map with a 'schema' field"
+    except msgspec.DecodeError as e:
+        return f"undecodable msgpack: {e}"
+    if peek.schema is None:
+        return "not an event: no 'schema' field"
+    if not isinstance(peek.schema, str) or peek.schema not in EVENT_TYPES:
+        return f"unknown schema {peek.schema!r}"
+    tp = EVENT_TYPES[peek.schema]
+    if isinstance(peek.schema_version, int) and not 1 <= peek.schema_version <= tp.SCHEMA_VERSION:
+        return f"unsupported schema_version {peek.schema_version} of {peek.schema} (this reader knows 1..{tp.SCHEMA_VERSION})"
+    return f"invalid {peek.schema}: {error}"
+
+
+def decode(data: bytes | bytearray | memoryview, expected: type[E] | None = None) -> E:
+    """Decode one event; ``expected`` narrows the type. Raises DecodeError, never anything else.
+
+    ``expected`` may be a registered type or a Struct subclass of one (a reader's newer or
+    older version of the schema, tagged with the same name).
+    """
+    if expected is not None and expected not in EVENT_TYPES.values():
+        decoder = _decoder_for(expected)
+    else:
+        decoder = _any_decoder
+    try:
+        event = decoder.decode(data)
+    except msgspec.ValidationError as e:
+        reason = _explain(bytes(data), e)
+        if expected is not None and reason.startswith("invalid "):
+            # A valid event of another type fails on the tag when decoded as ``expected``.
+            try:
+                other = _any_decoder.decode(data)
+            except msgspec.MsgspecError:
+                pass
+            else:
+                reason = f"wrong schema: expected {event_name(expected)}, got {event_name(other)}"
+        raise DecodeError(reason) from None
+    except msgspec.DecodeError as e:
+        raise DecodeError(f"undecodable msgpack: {e}") from None
+    except Exception as e:  # __post_init__ bugs must not escape the one-error contract
+        raise DecodeError(f"invalid payload: {type(e).__name__}: {e}") from None
+    version = event.schema_version
+    if not 1 <= version <= type(event).SCHEMA_VERSION:
+        raise DecodeError(
+            f"unsupported schema_version {version} of {event_name(event)} "
+            f"(this reader knows 1..{type(event).SCHEMA_VERSION})"
+        )
+    if expected is not None and not isinstance(event, expected):
+        raise DecodeError(f"wrong schema: expected {event_name(expected)}, got {event_name(event)}")
+    return event  # type: ignore[return-value]
+
+
+def headers_for(
+    event: Event, run: str, policy_version: int | None = None, msg_id: str | None = None
+) -> dict[str, str]:
+    """NATS headers for ``event``: Areal-Event, Areal-Run, Areal-Policy-Version, Nats-Msg-Id.
+
+    ``policy_version`` defaults to the event's own ``policy_version`` field when it has one;
+    the header is left out when neither exists.
+    """
+    headers = {HEADER_EVENT: event_name(event), HEADER_RUN: run}
+    if policy_version is None:
+        policy_version = getattr(event, "policy_version", None)
+    if policy_version is not None:
+        headers[HEADER_POLICY_VERSION] = str(int(policy_version))
+    if msg_id is not None:
+        if not msg_id or any(c in msg_id for c in "\r\n"):
+            raise ValueError(f"msg_id must be a non-empty single-line string, got {msg_id!r}")
+        headers[HEADER_MSG_ID] = msg_id
+    return headers

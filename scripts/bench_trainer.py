@@ -1,0 +1,269 @@
+"""Benchmark the FSDP training engine: step time, tokens/s and MFU on synthetic RL batches.
+
+Each configuration builds an `FSDPTrainEngine`, makes a batch of `--seqs` sequences
+(prompt `--prompt-len`, completion lengths drawn uniformly from
+`[(1 - jitter) * completion_len, completion_len]`), runs `--warmup` untimed steps, then
+`--steps` timed ones. A step is what the trainer does per batch: one no-grad forward for
+pi_prox (`compute_logprobs`, timed separately) and `train_step` with a decoupled-PPO-style
+loss. MFU = 6 * params * tokens / train_step seconds / peak (attention FLOPs not counted;
+tokens are non-pad tokens).
+
+  # CPU, tiny random model, fp32 and bf16 autocast
+  python scripts/bench_trainer.py --shape tiny --dtype float32,bfloat16
+  # CPU, SmolLM2-135M from a local HF directory
+  python scripts/bench_trainer.py --model ~/.cache/areal-async/models/smollm2-135m-instruct --seqs 8 \\
+      --prompt-len 64 --completion-len 192 --dtype bfloat16
+  # H200, Qwen2-0.5B-shaped random model (peak 989 TFLOP/s bf16 dense)
+  # (logprob chunk = micro-batch budget: no lm_head recompute, ~50 GB of fp32 logits at 32k tokens)
+  python scripts/bench_trainer.py --device cuda --shape qwen2-0.5b --dtype bfloat16 --seqs 64 \\
+      --prompt-len 256 --completion-len 1792 --micro-batch-tokens 32768 --logprob-chunk-tokens 32768
+
+Prints a table; `--out FILE` writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal_async.engines.batching import TrainSequence, pack_micro_batches
+from areal_async.engines.fsdp import FSDPTrainEngine
+from areal_async.logs import configure_logging
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "tie_word_embeddings": True,
+    },
+    "qwen2-0.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
+}
+
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def build_random_model(shape: str, out_dir: Path) -> Path:
+    """Write a random-init model of a named shape as an HF directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(SHAPES[shape])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_batch(
+    n: int, prompt_len: int, completion_len: int, jitter: float, vocab: int, seed: int
+) -> list[TrainSequence]:
+    g = torch.Generator().manual_seed(seed)
+    low = max(1, int(round(completion_len * (1.0 - jitter))))
+    seqs = []
+    for _ in range(n):
+        c = int(torch.randint(low, completion_len + 1, (1,), generator=g))
+        # Tensors, not lists: collate then copies them without a Python loop over tokens.
+        seqs.append(
+            TrainSequence(
+                prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=g),
+                completion_ids=torch.randint(0, vocab, (c,), generator=g),
+                behave_logprobs=-torch.rand(c, generator=g) * 5,
+                advantages=torch.randn(c, generator=g),
+            )
+        )
+    return seqs
+
+
+def ppo_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO with a masked behaviour cap (the cost profile of the real loss)."""
+    mask = mb["mask"]
+    ratio = torch.exp(mb["logprobs"] - mb["prox_logprobs"])
+    clipped = ratio.clamp(0.8, 1.2)
+    pg = torch.maximum(-mb["advantages"] * ratio, -mb["advantages"] * clipped)
+    weight = torch.exp(mb["prox_logprobs"] - mb["behave_logprobs"])
+    keep = mask & (weight <= 5.0)
+    loss = torch.where(keep, pg * weight, 0.0).sum() / mb["global_tokens"]
+    return loss, {"clip_frac": ((ratio != clipped) & mask).sum() / mb["global_tokens"]}
+
+
+def peak_memory_gb(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    engine = FSDPTrainEngine(
+        model_dir,
+        dtype=dtype,
+        lr=1e-6,
+        total_steps=args.warmup + args.steps,
+        micro_batch_tokens=args.micro_batch_tokens,
+        device=args.device,
+        gradient_checkpointing=args.gradient_checkpointing,
+        logprob_chunk_tokens=args.logprob_chunk_tokens,
+        compile=args.compile,
+    )
+    params = sum(p.numel() for p in engine.params)
+    batch = make_batch(
+        args.seqs, args.prompt_len, args.completion_len, args.jitter, engine.config.vocab_size, args.seed
+    )
+    bins = pack_micro_batches(batch, args.micro_batch_tokens)
+    padded = sum(len(b) * max(batch[i].length for i in b) for b in bins)
+    real = sum(s.length for s in batch)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step_s, prox_s, loss = [], [], float("nan")
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        prox = engine.compute_logprobs(batch)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        prox_seconds = time.perf_counter() - start
+        seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(batch, prox, strict=True)]
+        metrics = engine.train_step(seqs, ppo_loss)
+        loss = metrics["loss"]
+        if step >= args.warmup:
+            step_s.append(metrics["compute_seconds"])
+            prox_s.append(prox_seconds)
+    train_s = statistics.median(step_s)
+    fwd_s = statistics.median(prox_s)
+    row: dict[str, Any] = {
+        "model": label,
+        "device": args.device,
+        "dtype": dtype,
+        "params": params,
+        "seqs": len(batch),
+        "tokens": real,
+        "pad_frac": round(1.0 - real / padded, 4),
+        "micro_batches": len(bins),
+        "train_s": round(train_s, 4),
+        "train_s_all": [round(s, 4) for s in step_s],
+        "train_tok_s": round(real / train_s, 1),
+        "prox_s": round(fwd_s, 4),
+        "prox_tok_s": round(real / fwd_s, 1),
+        "rl_step_tok_s": round(real / (train_s + fwd_s), 1),
+        "peak_mem_gb": round(peak_memory_gb(args.device), 2),
+        "loss": loss,
+    }
+    peak = (
+        args.peak_tflops
+        if args.peak_tflops is not None
+        else (H200_BF16_DENSE_TFLOPS if args.device == "cuda" else None)
+    )
+    if peak:
+        row["train_tflops"] = round(6 * params * real / train_s / 1e12, 2)
+        row["mfu"] = round(6 * params * real / train_s / (peak * 1e12), 4)
+        row["rl_step_mfu"] = round(8 * params * real / (train_s + fwd_s) / (peak * 1e12), 4)
+    del engine
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols = [
+        "model",
+        "dtype",
+        "params",
+        "tokens",
+        "pad_frac",
+        "micro_batches",
+        "train_s",
+        "train_tok_s",
+        "prox_tok_s",
+        "rl_step_tok_s",
+        "mfu",
+        "peak_mem_gb",
+    ]
+    cols = [c for c in cols if any(c in r for r in rows)]
+    cells = [[str(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shape", default="tiny", help=f"comma list of random-init shapes: {', '.join(SHAPES)}"
+    )
+    parser.add_argument("--model", action="append", default=[], help="HF model directory (repeatable)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", default="bfloat16", help="comma list of float32, bfloat16")
+    parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--completion-len", type=int, default=96)
+    parser.add_argument("--jitter", type=float, default=0.5, help="completion length spread (0 = all equal)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=4096)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (cuda default: 989)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write rows as JSON here")
+    args = parser.parse_args()
+    configure_logging(level="info")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    dtypes = [d for d in args.dtype.split(",") if d]
+    shapes = [s for s in args.shape.split(",") if s] if not args.model or args.shape != "tiny" else []
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
+        targets = [(build_random_model(s, Path(tmp) / s), s) for s in shapes]
+        targets += [(Path(m).expanduser(), Path(m).name) for m in args.model]
+        for model_dir, label in targets:
+            for dtype in dtypes:
+                rows.append(bench_one(model_dir, label, dtype, args))
+                print_table(rows[-1:])
+    print()
+    print_table(rows)
+    if args.out:
+        env = {
+            "torch": torch.__version__,
+            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+            "threads": torch.get_num_threads(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+        }
+        args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

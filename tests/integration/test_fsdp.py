@@ -1,0 +1,282 @@
+"""FSDP2 training engine on CPU: 2 ranks (gloo) agree with 1 process; HF export and sharded checkpoints round-trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from areal_async.checkpoint import load_checkpoint, save_checkpoint
+from areal_async.engines.batching import TrainSequence
+from areal_async.engines.fsdp import FSDPTrainEngine, init_distributed, tensor_sha256
+
+VOCAB = 64
+WORLD = 2
+STEPS = 2
+
+
+def write_tiny_model(path: Path, *, tie: bool) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tied"), tie=True)
+
+
+@pytest.fixture(scope="module")
+def untied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("untied"), tie=False)
+
+
+def make_batch() -> list[TrainSequence]:
+    """Even indices are long, odd short: rank 0 packs four micro-batches, rank 1 one (so it pads with empty passes)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 16), (2, 3), (6, 12), (3, 2), (8, 8), (1, 4), (2, 2)]
+    seqs = []
+    for p, c in shapes:
+        seqs.append(
+            TrainSequence(
+                prompt_ids=torch.randint(0, VOCAB, (p,), generator=g).tolist(),
+                completion_ids=torch.randint(0, VOCAB, (c,), generator=g).tolist(),
+                behave_logprobs=(-4.0 - torch.rand(c, generator=g)).tolist(),
+                advantages=torch.randn(c, generator=g).tolist(),
+            )
+        )
+    return seqs
+
+
+def pg_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain policy gradient, token mean over the global batch; one stat normalised like the loss."""
+    mask = mb["mask"].float()
+    loss = -(mb["advantages"] * mb["logprobs"] * mask).sum() / mb["global_tokens"]
+    stats = {
+        "token_share": mask.sum() / mb["global_tokens"],
+        "advantage_max": torch.where(mb["mask"], mb["advantages"], -torch.inf).amax(),
+    }
+    return loss, stats
+
+
+def make_engine(model_dir: Path, **kw: Any) -> FSDPTrainEngine:
+    options: dict[str, Any] = {"lr": 1e-3, "total_steps": 10, "micro_batch_tokens": 24, "grad_clip": 1.0}
+    return FSDPTrainEngine(model_dir, **(options | kw))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, model_dir: Path, out_dir: Path, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    assert init_distributed("cpu") == (rank, WORLD)
+    try:
+        # Gradient checkpointing and 5-row logprob chunks must not change the numbers.
+        engine = make_engine(model_dir, gradient_checkpointing=True, logprob_chunk_tokens=5)
+        shard = make_batch()[rank::WORLD]
+        result: dict[str, Any] = {"prox": engine.compute_logprobs(shard), "metrics": []}
+        for _ in range(STEPS):
+            result["metrics"].append(engine.train_step(shard, pg_loss))
+        result["manifest"] = engine.save_hf(out_dir / "hf")
+        result["model"] = engine.state_dict()["model"]
+        save_checkpoint(out_dir / "run", STEPS, engine=engine, extra={"world": WORLD})
+        resumed = make_engine(model_dir)
+        result["extra"] = load_checkpoint(out_dir / "run", engine=resumed)
+        result["resumed_version"] = resumed.version
+        expected, actual = engine.train_step(shard, pg_loss), resumed.train_step(shard, pg_loss)
+        result["resume_loss"] = (expected["loss"], actual["loss"])
+        result["resume_max_diff"] = max(
+            (a.to_local() - b.to_local()).abs().max().item()
+            for a, b in zip(engine.model.parameters(), resumed.model.parameters(), strict=True)
+        )
+        torch.save(result, out_dir / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_fsdp_ranks_match_one_process(tied_model: Path, tmp_path: Path) -> None:
+    """Each of 2 gloo ranks trains on half the batch: losses, grad norms and updated weights equal the 1-process run.
+
+    The same run checks that pi_prox logprobs agree, that save_hf from sharded weights
+    exports every tensor with a correct sha256, and that a checkpoint saved sharded loads
+    into fresh sharded engines that then step identically.
+    """
+    mp.spawn(_rank_main, args=(tied_model, tmp_path, free_port()), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+    torch.set_num_threads(1)
+    single = make_engine(tied_model)
+    batch = make_batch()
+    prox = single.compute_logprobs(batch)
+    for rank in range(WORLD):
+        for got, want in zip(ranks[rank]["prox"], prox[rank::WORLD], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for step in range(STEPS):
+        want = single.train_step(batch, pg_loss)
+        for r in ranks:
+            got = r["metrics"][step]
+            keys = (
+                "loss",
+                "grad_norm",
+                "lr",
+                "entropy",
+                "token_share",
+                "advantage_max",
+                "total_tokens",
+                "loss_tokens",
+            )
+            for key in keys:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (step, key)
+        assert ranks[0]["metrics"][step]["micro_batches"] == 4
+
+    expected = single.state_dict()["model"]
+    assert ranks[1]["model"] == {}
+    assert expected.keys() == ranks[0]["model"].keys()
+    for name, tensor in expected.items():
+        # Adam turns float-rounding noise in a near-zero gradient into an update of up to lr,
+        # so a few elements may differ by ~1e-5 (1% of lr); all others agree to 1e-6.
+        diff = (ranks[0]["model"][name] - tensor).abs()
+        assert diff.max() <= 2e-5, name
+        assert (diff > 1e-6).float().mean() <= 1e-3, name
+
+    manifest = ranks[0]["manifest"]
+    assert manifest == ranks[1]["manifest"]
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(e["name"] for e in manifest)
+        for entry in manifest:
+            assert tensor_sha256(f.get_tensor(entry["name"])) == entry["sha256"]
+    assert "lm_head.weight" not in {e["name"] for e in manifest}  # tied to the embedding
+
+    for r in ranks:
+        assert r["extra"] == {"world": WORLD}
+        assert r["resumed_version"] == STEPS
+        assert r["resume_loss"][0] == pytest.approx(r["resume_loss"][1], abs=1e-7)
+        assert r["resume_max_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_save_hf_round_trips_through_transformers(
+    tied_model: Path, untied_model: Path, tmp_path: Path, tie: bool
+) -> None:
+    """The exported directory loads with transformers and gives the trained model's logits; the manifest matches the file."""
+    model_dir = tied_model if tie else untied_model
+    engine = make_engine(model_dir)
+    engine.train_step(make_batch(), pg_loss)
+    out = tmp_path / "weights" / "v1"
+    manifest = engine.save_hf(out)
+
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "manifest.json",
+        "model.safetensors",
+        "tokenizer_config.json",
+    ]
+    assert not out.with_name("v1.tmp").exists()
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    with safe_open(out / "model.safetensors", "pt") as f:
+        for entry in manifest:
+            tensor = f.get_tensor(entry["name"])
+            assert list(tensor.shape) == entry["shape"] and entry["dtype"] == "float32"
+            assert tensor_sha256(tensor) == entry["sha256"]
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 33, 2, 60, 7]])
+    with torch.no_grad():
+        trained = engine.model.hf.eval()(ids).logits
+        torch.testing.assert_close(reloaded(ids).logits, trained, atol=0, rtol=0)
+
+    # Saving again over the same directory replaces it atomically.
+    engine.train_step(make_batch(), pg_loss)
+    assert engine.save_hf(out) != manifest
+
+
+def test_engine_logprobs_match_a_plain_forward(tied_model: Path) -> None:
+    """compute_logprobs returns log p(completion token | prefix) at the sampler's temperature, in every dtype."""
+    batch = make_batch()
+    hf = LlamaForCausalLM.from_pretrained(tied_model, dtype=torch.float32).eval()
+    for dtype, temperature, atol in (("float32", 1.0, 1e-5), ("float32", 0.7, 1e-5), ("bfloat16", 1.0, 0.1)):
+        engine = make_engine(tied_model, dtype=dtype, temperature=temperature)
+        got = engine.compute_logprobs(batch)
+        for s, logprobs in zip(batch, got, strict=True):
+            ids = torch.tensor([list(s.prompt_ids) + list(s.completion_ids)])
+            with torch.no_grad():
+                logits = hf(ids).logits[0].float() / temperature
+            p = len(s.prompt_ids)
+            want = logits[p - 1 : -1].log_softmax(-1).gather(-1, ids[0, p:, None]).squeeze(-1)
+            assert logprobs.dtype == torch.float32
+            torch.testing.assert_close(logprobs, want, atol=atol, rtol=0)
+
+
+def test_bf16_training_raises_the_logprob_of_rewarded_tokens(tied_model: Path) -> None:
+    """With autocast bf16 and fp32 master weights a few policy-gradient steps move logprobs the advantage's way."""
+    engine = make_engine(tied_model, dtype="bfloat16", lr=1e-2)
+    batch = make_batch()
+    before = engine.compute_logprobs(batch)
+    for _ in range(3):
+        metrics = engine.train_step(batch, pg_loss)
+        assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
+    after = engine.compute_logprobs(batch)
+    gain = sum(
+        float((torch.tensor(s.advantages) * (a - b)).sum())
+        for s, a, b in zip(batch, after, before, strict=True)
+    )
+    assert gain > 0
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+    assert engine.version == 3
+
+
+def test_the_policy_loss_plugs_into_the_engine(tied_model: Path) -> None:
+    """areal_async.algo.loss.policy_loss runs as loss_fn: at pi_theta == pi_prox the ratio is 1 and stats are global."""
+    loss_module = pytest.importorskip("areal_async.algo.loss")
+    engine = make_engine(tied_model)
+    batch = make_batch()
+    prox = engine.compute_logprobs(batch)
+    seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(batch, prox, strict=True)]
+
+    def loss_fn(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return loss_module.policy_loss(
+            mb["logprobs"],
+            mb["prox_logprobs"],
+            mb["behave_logprobs"],
+            mb["advantages"],
+            mb["mask"],
+            behave_cap=None,
+            denominator=mb["global_tokens"],
+        )
+
+    metrics = engine.train_step(seqs, loss_fn)
+    assert metrics["tokens"] == metrics["loss_tokens"] == sum(s.num_completion_tokens for s in batch)
+    assert metrics["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["ratio_sum"] == pytest.approx(metrics["tokens"], rel=1e-4)
+    assert metrics["grad_norm"] > 0 and engine.version == 1

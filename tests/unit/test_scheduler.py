@@ -1,0 +1,99 @@
+"""The controller's scheduling state: admission, re-issue, rollback after a trainer restore."""
+
+from __future__ import annotations
+
+from areal_async.scheduler import SchedulerState
+
+
+def _state(eta: int = 1, batch_size: int = 2, max_inflight: int = 100) -> SchedulerState:
+    return SchedulerState(eta=eta, batch_size=batch_size, max_inflight=max_inflight)
+
+
+def _issue_all(state: SchedulerState) -> list[str]:
+    ids = []
+    index = len(state.step_tasks) * 100 + state.total_issued
+    while state.can_issue():
+        issue = state.take_retry() or state.take_new(0, index, 0, index + 1)
+        ids.append(issue.task_id)
+        index += 1
+    return ids
+
+
+def test_admission_issues_eta_plus_one_batches_at_version_zero() -> None:
+    """With v = 0 the controller may run eta + 1 batches ahead, no more."""
+    state = _state(eta=1, batch_size=2)
+    assert len(_issue_all(state)) == (1 + 0 + 1) * 2
+
+
+def test_a_new_served_version_opens_one_more_batch() -> None:
+    """Each served version admits B more tasks."""
+    state = _state(eta=1, batch_size=2)
+    _issue_all(state)
+    state.on_trained(1, ["e0-i0", "e0-i1"])
+    assert not state.can_issue(), "training alone does not open admission; serving the new version does"
+    state.on_served(1)
+    assert len(_issue_all(state)) == 2
+
+
+def test_max_inflight_caps_issued_minus_trained() -> None:
+    """issued - trained < max_inflight holds even with a large staleness bound."""
+    state = _state(eta=10, batch_size=4, max_inflight=3)
+    assert len(_issue_all(state)) == 3
+    state.on_trained(1, ["e0-i0"])
+    assert len(_issue_all(state)) == 1
+
+
+def test_failed_task_is_reissued_with_a_higher_attempt() -> None:
+    """A stale group frees its slot and comes back with attempt + 1, ahead of new rows."""
+    state = _state(eta=0, batch_size=2)
+    first = _issue_all(state)
+    assert state.on_failed(first[0], 0, 0, 0, "stale") is True
+    assert state.issued == 1
+    again = state.take_retry()
+    assert again is not None and again.task_id == first[0] and again.attempt == 1
+    assert state.issued == 2
+
+
+def test_filtered_task_is_not_reissued() -> None:
+    """Dynamic sampling drops the group; the feed moves on to new prompts."""
+    state = _state()
+    ids = _issue_all(state)
+    assert state.on_failed(ids[0], 0, 0, 0, "filtered") is False
+    assert state.take_retry() is None
+    assert state.failures == {"filtered": 1}
+
+
+def test_late_failure_of_an_older_attempt_is_ignored() -> None:
+    """A duplicate failure of attempt 0 after attempt 1 was issued changes nothing."""
+    state = _state()
+    ids = _issue_all(state)
+    state.on_failed(ids[0], 0, 0, 0, "future")
+    state.take_retry()
+    issued = state.issued
+    assert state.on_failed(ids[0], 0, 0, 0, "future") is False
+    assert state.issued == issued
+
+
+def test_repeated_step_number_rolls_back_lost_steps() -> None:
+    """A trainer restored to step 1 repeats step 2: steps >= 2 are uncounted first."""
+    state = _state(eta=4, batch_size=2)
+    _issue_all(state)
+    state.on_trained(1, ["a", "b"])
+    state.on_trained(2, ["c", "d"])
+    state.on_trained(3, ["e", "f"])
+    assert state.trained == 6
+    rolled = state.on_trained(2, ["c", "e"])
+    assert rolled == 4
+    assert state.trained == 4
+    assert state.step_tasks == {1: ["a", "b"], 2: ["c", "e"]}
+
+
+def test_state_round_trips_through_plain_data() -> None:
+    """to_dict/from_dict keep every counter, the retry queue and attempts."""
+    state = _state()
+    ids = _issue_all(state)
+    state.on_failed(ids[1], 0, 1, 0, "stale")
+    state.on_trained(1, [ids[0]])
+    state.on_served(1)
+    restored = SchedulerState.from_dict(state.to_dict(), eta=1, batch_size=2, max_inflight=100)
+    assert restored.to_dict() == state.to_dict()
