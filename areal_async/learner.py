@@ -125,7 +125,7 @@ def shard(seqs: Sequence[TrainSequence], world_size: int) -> list[list[TrainSequ
 
 @dataclass(frozen=True)
 class LearnerCommand:
-    """What rank 0 broadcasts: ``step``, ``save_weights``, ``checkpoint`` or ``stop``."""
+    """What rank 0 broadcasts: ``step``, ``save_weights``, ``snapshot``, ``checkpoint`` or ``stop``."""
 
     op: str
     shards: list[list[TrainSequence]] | None = None
@@ -227,6 +227,8 @@ class Learner:
             return self._step_local(cmd.shards[self.rank], cmd.denominator)
         if cmd.op == "save_weights":
             return self.engine.save_hf(cmd.path)
+        if cmd.op == "snapshot":
+            return self.engine.snapshot_hf()
         if cmd.op == "checkpoint":
             from areal_async.checkpoint import save_checkpoint
 
@@ -266,6 +268,13 @@ class Learner:
 
     def save_weights(self, path: Path) -> list[dict[str, Any]]:
         return self.run(LearnerCommand(op="save_weights", path=str(path)))
+
+    def snapshot_weights(self) -> dict[str, torch.Tensor]:
+        """Copies of the current weights (rank 0); write them with ``write_weights`` in any thread."""
+        return self.run(LearnerCommand(op="snapshot"))
+
+    def write_weights(self, path: Path, tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+        return self.engine.write_hf(path, tensors)
 
     def checkpoint(self, root: Path, extra: dict[str, Any], keep: int) -> Path:
         """Commit model, optimizer, scheduler, RNG, version and ``extra`` under ``root/checkpoints``."""

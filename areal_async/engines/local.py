@@ -5,9 +5,15 @@ Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
 - Continuous batching: up to `max_batch_size` sequences decode together. When one finishes, its slot
   goes to the next waiting request at the next step; the batch never waits for its longest member.
   Concurrent `generate()` calls feed the same queue (FIFO).
-- KV cache: one transformers DynamicCache for the whole batch, left-padded. A joining request is
-  prefilled on its own (with the other joiners) and its cache rows are merged into the batch, padded to
-  the common length; rows of finished requests are dropped and leading all-padding columns trimmed.
+- Prefill: joining requests are prefilled together (left-padded, in chunks of at most
+  `max_prefill_tokens` padded tokens) in their own forward, then their KV rows join the batch.
+- KV layouts (`kv_cache`), same guarantees, pick by speed:
+  - "slots" (default): preallocated per-slot buffers, one column written in place per decode step,
+    finished rows replaced by moving rows from the end; no per-step cache copies. Capacity grows to
+    the longest admitted prompt + max_new_tokens. On CUDA, `cuda_graphs=True` captures the decode
+    forward per (batch bucket, length bucket) and replays it.
+  - "dynamic": one left-padded transformers DynamicCache; rows are dropped / merged by copying, and
+    leading all-padding columns are trimmed.
   Attention masks and explicit position ids keep every row numerically identical (up to float noise)
   to an unpadded forward of the same tokens.
 - Log-probs: temperature, then top-k, then top-p shape the distribution a token is sampled from; the
@@ -453,7 +459,7 @@ class LocalEngine(InferenceEngine):
         seed: int = 0,
         version: int = 0,
         max_prefill_tokens: int = 8192,
-        kv_cache: Literal["dynamic", "slots"] = "dynamic",
+        kv_cache: Literal["dynamic", "slots"] = "slots",
         cuda_graphs: bool = False,
     ) -> None:
         if kv_cache not in ("dynamic", "slots"):

@@ -1,0 +1,69 @@
+"""A tiny model that RL can measurably improve within seconds on 2 CPU cores.
+
+``warm_start_mode_select`` builds a random-init char-level Llama and fine-tunes it on the
+``mode_select`` task (``3+4=``) where the target is ``a+b`` or ``a+b+1`` with equal
+probability. The model learns both answer modes as a mixture, so its greedy accuracy
+sits near 50%; RL with an exact-match reward must pick the right mode. A random reward
+does not do that, which is what makes a rise a signal rather than noise.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from areal_async.data import load_dataset
+from areal_async.models import build_tiny_model, load_tokenizer
+
+
+def warm_start_mode_select(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    steps: int = 300,
+    batch_size: int = 128,
+    lr: float = 3e-3,
+    alt_p: float = 0.5,
+    eval_fraction: float = 0.3,
+    hi: int = 9,
+) -> Path:
+    """Build and SFT the tiny model into ``out_dir`` (reused when already there)."""
+    if (out_dir / "sft.done").is_file():
+        return out_dir
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_model(out_dir, hidden=128, layers=4, heads=4, seed=seed)
+    tok = load_tokenizer(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    rows = load_dataset("mode_select", split="train", seed=seed, eval_fraction=eval_fraction, hi=hi)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
+    eos = tok.eos_token_id
+    model.train()
+    for _ in range(steps):
+        batch = [rng.choice(rows) for _ in range(batch_size)]
+        seqs, masks = [], []
+        for row in batch:
+            answer = int(row["answer"]) + (1 if rng.random() < alt_p else 0)
+            p = tok(row["prompt"])["input_ids"]
+            a = tok(str(answer))["input_ids"] + [eos]
+            seqs.append(p + a)
+            masks.append([0] * len(p) + [1] * len(a))
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+        loss_mask = torch.zeros((len(seqs), width))
+        for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        logits = model(ids).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out_dir)
+    (out_dir / "sft.done").write_text(f"{loss.detach().item():.4f}\n")
+    return out_dir
