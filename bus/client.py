@@ -660,7 +660,7 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream(timeout=options.request_timeout)
         self.worker_id = options.name or f"{socket.gethostname()}-{os.getpid()}"
         self.stats: Counter[str] = Counter()
-        """published, consumed, deadletter, deadletter_lost."""
+        """published, consumed, deadletter, deadletter_lost; publish_s and decode_s (seconds spent)."""
         self._max_msg_size: dict[str, int] = {}
         self._kv: dict[str, KeyValue] = {}
         self._open: set[Consumer | Subscription | KvWatch] = set()
@@ -879,6 +879,15 @@ class Bus:
         StreamFull, TypeError for an event type the subject does not carry. A JetStream
         publish waits up to options.request_timeout for the server's ack (nats TimeoutError).
         """
+        started = time.perf_counter()
+        try:
+            return await self._publish(subject, event, msg_id, policy_version)
+        finally:
+            self.stats["publish_s"] += time.perf_counter() - started
+
+    async def _publish(
+        self, subject: str, event: Event, msg_id: str | None, policy_version: int | None
+    ) -> Published | None:
         suffix = self.subjects.suffix(subject)
         if suffix is None:
             raise ValueError(f"subject {subject!r} is not under {self.subjects.prefix}; use bus.subjects")
@@ -951,8 +960,10 @@ class Bus:
 
     async def _delivery(self, msg: Msg, spec: StreamSpec) -> Delivery | None:
         meta = msg.metadata
+        started = time.perf_counter()
         try:
             event = decode(msg.data, expected_type(msg.subject))
+            self.stats["decode_s"] += time.perf_counter() - started
         except DecodeError as e:
             await self._dead_letter(
                 msg.subject, e.reason, msg.data, msg.headers, msg_id=f"{spec.name}:{meta.sequence.stream}"

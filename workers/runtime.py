@@ -120,6 +120,25 @@ def default_worker_id(role: str) -> str:
     return f"{role}-{host}-{os.getpid()}"
 
 
+def pin_cpus(role: str) -> None:
+    """Pin this process to the cores named for its role in ``AREAL_CPU_AFFINITY``.
+
+    Format ``role=cores;role=cores`` with cores like ``0``, ``0,1`` or ``2-5``, e.g.
+    ``generation=0;trainer=1``: on one machine this makes generation and training behave
+    like separate devices (benchmarks). Roles not named keep every core.
+    """
+    spec = os.environ.get("AREAL_CPU_AFFINITY", "")
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, cores = part.partition("=")
+        if name.strip() != role:
+            continue
+        cpus: set[int] = set()
+        for item in cores.split(","):
+            lo, _, hi = item.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, cpus)
+
+
 def run_role(
     cfg: RunConfig,
     *,
@@ -129,6 +148,7 @@ def run_role(
 ) -> int:
     """Run one role until it finishes, the run ends, or a signal arrives; return the exit code."""
     worker_id = worker_id or os.environ.get("AREAL_WORKER_ID") or default_worker_id(role)
+    pin_cpus(role)
     logs_dir = cfg.run_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(

@@ -109,6 +109,7 @@ class Trainer:
         self.metrics_file = self.cfg.run_dir / "metrics.jsonl"
         self.weights_out, self.weights_in = anyio.create_memory_object_stream[tuple[int, Any]](1)
         self.last_write_s = 0.0
+        self._bus_total = 0.0
         self.tb = _tensorboard(self.cfg)
         self.started = time.time()
 
@@ -273,8 +274,10 @@ class Trainer:
             await self.publish_weights(version, path, manifest, self.last_write_s)
 
     def bus_seconds(self) -> float:
-        stats = getattr(self.bus, "stats", {}) or {}
-        return float(stats.get("publish_s", 0.0)) + float(stats.get("decode_s", 0.0))
+        """Seconds this process spent publishing and decoding events since the previous step."""
+        total = float(self.bus.stats["publish_s"]) + float(self.bus.stats["decode_s"])
+        delta, self._bus_total = total - self._bus_total, total
+        return delta
 
     async def publish_weights(
         self, version: int, path: Any, manifest: list[dict[str, Any]], seconds: float

@@ -110,7 +110,9 @@ def finish_job(proc: subprocess.Popen[bytes], run_dir: Path, started: float, tim
 
 
 def run_job(config: Path, *overrides: str, timeout: float = 600) -> JobResult:
-    run_dir = Path(yaml.safe_load(config.read_text())["dir"])
+    from areal_async.config import load_config
+
+    run_dir = load_config(config, overrides).run_dir
     started = time.monotonic()
     return finish_job(start_job(config, *overrides), run_dir, started, timeout)
 

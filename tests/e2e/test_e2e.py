@@ -148,3 +148,35 @@ def test_killed_worker_loses_nothing_and_trains_nothing_twice(
     if victim == "trainer":
         numbers = [ev.step for ev in steps]
         assert len(numbers) > len(set(numbers)), "a restored trainer repeats the steps after its checkpoint"
+
+
+@pytest.mark.timeout(900)
+def test_ctrl_c_stops_the_run_and_the_same_command_resumes_it(tmp_path: Path, tiny_model: Path) -> None:
+    """SIGINT to `areal-async run` stops every process cleanly; running the same command again
+    continues from the last checkpoint and finishes with every step trained exactly once."""
+    total, batch = 8, 4
+    cfg = tiny_config(
+        tmp_path,
+        tiny_model,
+        "resume",
+        rollout__group_size=4,
+        trainer__total_steps=total,
+        trainer__batch_size=batch,
+        trainer__eval_every=0,
+        dataset__eval_size=4,
+        checkpoint__every_steps=2,
+    )
+    run_dir = tmp_path / "resume"
+    started = time.monotonic()
+    proc = start_job(cfg)
+    _wait_for(lambda: _steps_done(run_dir) >= 3, 240, "three steps")
+    proc.send_signal(signal.SIGINT)
+    first = finish_job(proc, run_dir, started, timeout=120)
+    assert first.returncode == 130, first.output[-3000:]
+    assert _steps_done(run_dir) < total
+    second = run_job(cfg, timeout=600)
+    assert second.returncode == 0, second.output[-4000:]
+    assert "resumed from checkpoint" in second.output
+    steps = read_steps(run_dir, "resume")
+    _check_exactly_once(steps, total, batch)
+    _check_staleness(committed_steps(steps).values(), eta=2)
