@@ -62,6 +62,24 @@ from areal_async.engines.base import (
 )
 from areal_async.models import load_causal_lm, torch_dtype
 
+
+def cache_kwarg(model: PreTrainedModel, cache: Cache) -> dict[str, Cache]:
+    """The KV-cache keyword of ``model.forward``: ``cache`` (transformers >= 5.2x) or ``past_key_values``.
+
+    An unknown keyword would be swallowed by ``**kwargs`` and the cache silently left empty.
+    """
+    name = _CACHE_KWARG.get(type(model))
+    if name is None:
+        import inspect
+
+        params = inspect.signature(type(model).forward).parameters
+        name = "cache" if "cache" in params else "past_key_values"
+        _CACHE_KWARG[type(model)] = name
+    return {name: cache}
+
+
+_CACHE_KWARG: dict[type, str] = {}
+
 log = structlog.get_logger(__name__)
 
 _NO_TOP_P = 2.0  # a top_p the cumulative mass never reaches, so float rounding never filters a token
@@ -170,7 +188,11 @@ class _BatchKV:
         assert self.mask is not None and self.rows == ids_B1.shape[0]
         mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], dim=1)
         out = model(
-            input_ids=ids_B1, attention_mask=mask, position_ids=positions_B1, cache=self.cache, use_cache=True
+            input_ids=ids_B1,
+            attention_mask=mask,
+            position_ids=positions_B1,
+            use_cache=True,
+            **cache_kwarg(model, self.cache),
         )
         self.mask = mask
         return out.logits[:, -1]
@@ -367,8 +389,8 @@ class _SlotKV:
             input_ids=ids_B1,
             attention_mask=mask,
             position_ids=positions_B1,
-            cache=Cache(layers=layers),
             use_cache=True,
+            **cache_kwarg(model, Cache(layers=layers)),
         )
         return out.logits[:, -1]
 
@@ -791,8 +813,8 @@ class LocalEngine(InferenceEngine):
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            cache=cache,
             use_cache=True,
+            **cache_kwarg(self.model, cache),
             logits_to_keep=1,
         )
         self.prefill_forwards += 1

@@ -180,3 +180,84 @@ def test_ctrl_c_stops_the_run_and_the_same_command_resumes_it(tmp_path: Path, ti
     steps = read_steps(run_dir, "resume")
     _check_exactly_once(steps, total, batch)
     _check_staleness(committed_steps(steps).values(), eta=2)
+
+
+@pytest.mark.timeout(900)
+def test_two_rank_trainer_under_torchrun_completes_a_run(tmp_path: Path, tiny_model: Path) -> None:
+    """trainer.num_ranks = 2: the launcher starts the trainer under torchrun (gloo on CPU);
+    rank 0 drives the bus, rank 1 follows, and the run commits every step once."""
+    total, batch = 3, 4
+    cfg = tiny_config(
+        tmp_path,
+        tiny_model,
+        "ranks",
+        rollout__group_size=4,
+        trainer__total_steps=total,
+        trainer__batch_size=batch,
+        trainer__num_ranks=2,
+        trainer__eval_every=0,
+        dataset__eval_size=4,
+        checkpoint__every_steps=2,
+    )
+    res = run_job(cfg, timeout=600)
+    assert res.returncode == 0, res.output[-4000:]
+    assert "world_size=2" in res.output or '"world_size": 2' in res.output
+    steps = read_steps(res.run_dir, "ranks")
+    _check_exactly_once(steps, total, batch)
+    assert (res.run_dir / "checkpoints" / "step_3").is_dir()
+
+
+@pytest.mark.timeout(900)
+def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_model: Path) -> None:
+    """A second generation worker started mid-run (its own process, same bus) receives tasks;
+    stopping it with SIGTERM loses nothing: the run completes with every step trained once."""
+    import subprocess
+    import sys
+
+    from tests.e2e.jobs import REPO
+
+    total, batch = 10, 4
+    cfg = tiny_config(
+        tmp_path,
+        tiny_model,
+        "join",
+        rollout__group_size=4,
+        rollout__sampling__max_new_tokens=24,
+        trainer__total_steps=total,
+        trainer__batch_size=batch,
+        trainer__eval_every=0,
+        dataset__eval_size=4,
+    )
+    run_dir = tmp_path / "join"
+    started = time.monotonic()
+    proc = start_job(cfg)
+    extra = None
+    try:
+        _wait_for(lambda: _steps_done(run_dir) >= 2, 240, "two steps")
+        url = (run_dir / "nats.url").read_text().strip()
+        extra = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "--role", "generation", "--config", str(cfg)]
+            + ["--set", f"bus.url={url}", "--worker-id", "generation-extra"],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_for(lambda: _served_by_extra(run_dir), 240, "the extra worker to generate a group")
+        extra.send_signal(signal.SIGTERM)
+        assert extra.wait(60) == 0
+    finally:
+        if extra is not None and extra.poll() is None:
+            extra.kill()
+        res = finish_job(proc, run_dir, started, timeout=600)
+    assert res.returncode == 0, res.output[-4000:]
+    steps = read_steps(run_dir, "join")
+    _check_exactly_once(steps, total, batch)
+
+
+def _served_by_extra(run_dir: Path) -> bool:
+    """True once the extra worker logged a finished task (its status went busy -> ready)."""
+    log = run_dir / "logs" / "generation-extra.jsonl"
+    if not log.is_file():
+        return False
+    text = log.read_text()
+    return '"status": "busy"' in text and text.count('"status": "ready"') >= 2
