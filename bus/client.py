@@ -14,6 +14,15 @@ Contract:
   deduplicated by ``msg_id``) and the rest through core NATS (at most once). A payload that
   would not fit (body + headers > server max_payload - 1 KiB, or > the stream's
   max_msg_size) is refused *before* sending with ``PayloadTooLarge``.
+* A stream without a leader (a JetStream election, 6-8 s after its leader node dies) pauses
+  ``publish()``, ``Consumer.start()`` and consumer iteration; they retry for up to
+  ``options.leader_wait_s`` (30 s) and then raise ``StreamUnavailable``. ``publish()``
+  retries only what cannot be stored twice: a request no stream answered, or, with a
+  ``msg_id`` (dedup), one that timed out.
+* A JetStream publish or KV write the server refuses for permissions raises
+  ``BusPermissionError`` at once (the server only sends an ``-ERR``, never a reply); every
+  refusal, also of core publishes, is logged (``nats permission denied``) and counted in
+  ``bus.stats['permission_denied']``. The connection stays up.
 * ``consume()`` yields ``Delivery`` objects from a stream's durable pull consumer and
   ``subscribe()`` yields events from a core subject. A payload that fails to decode or
   validate never reaches the caller: it is copied to ``deadletter`` (with the reason and the
@@ -37,26 +46,30 @@ result still tolerate rare duplicates (dedup by task id).
 Errors (all ``BusError``)::
 
     BusError
-    ├── BusConnectError   first connect failed (URL, reason, fix)
-    ├── PayloadTooLarge   refused before sending (also a ValueError)
-    ├── StreamNotFound    stream/consumer/bucket missing: call provision()
-    ├── StreamFull        work queue at its limit: back off and retry
-    ├── ProvisionError    existing config cannot be changed in place
-    └── KvConflict        kv_create on an existing key / stale kv_update revision
+    ├── BusConnectError     first connect failed (URL, reason, fix)
+    ├── BusPermissionError  the server refused a publish/KV write for permissions
+    ├── PayloadTooLarge     refused before sending (also a ValueError)
+    ├── StreamNotFound      stream/consumer/bucket missing: call provision()
+    ├── StreamUnavailable   no leader for leader_wait_s: election or lost quorum
+    ├── StreamFull          work queue at its limit: back off and retry
+    ├── ProvisionError      existing config cannot be changed in place
+    └── KvConflict          kv_create on an existing key / stale kv_update revision
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import ssl
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import anyio
 import nats
@@ -96,6 +109,16 @@ messages would lose the connection; the batch is capped to fit this budget."""
 ERR_STREAM_NAME_IN_USE = 10058  # stream exists with a different config
 ERR_STORE_FAILED = 10077  # e.g. maximum messages/bytes exceeded under DiscardPolicy.NEW
 ERR_MESSAGE_TOO_LARGE = 10054
+ERR_CLUSTER_NOT_AVAILABLE = 10008  # 503 "JetStream system temporarily unavailable" (no meta leader)
+
+PERMISSION_DENIED = re.compile(r'permissions violation for (\w+) to "([^"]*)"', re.IGNORECASE)
+"""The server's ``-ERR`` for a refused publish or subscription (nats-py lowercases it)."""
+
+LEADERLESS = (TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError)
+"""What a JetStream API request gets while its stream or consumer has no leader (nats-py's
+TimeoutError subclasses the builtin one)."""
+
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,12 +133,25 @@ class BusConnectError(BusError):
     """The first connect did not succeed within connect_timeout."""
 
 
+class BusPermissionError(BusError):
+    """The server refused a publish or KV write for permissions; retrying cannot help."""
+
+    def __init__(self, message: str, *, subject: str, user: str | None = None) -> None:
+        super().__init__(message)
+        self.subject = subject
+        self.user = user
+
+
 class PayloadTooLarge(BusError, ValueError):
     """An event would exceed max_payload or the stream's max_msg_size; nothing was sent."""
 
 
 class StreamNotFound(BusError):
     """A stream, consumer or bucket of the run does not exist: provision() was not called."""
+
+
+class StreamUnavailable(BusError):
+    """A stream or consumer had no leader for options.leader_wait_s (election or lost quorum)."""
 
 
 class StreamFull(BusError):
@@ -175,6 +211,10 @@ class ConnectOptions:
     request_timeout: float = 5.0
     """JetStream API and publish-ack timeout."""
 
+    leader_wait_s: float = 30.0
+    """How long publish and consumers wait for a stream or consumer without a leader (a
+    JetStream election takes 6-8 s after a node dies) before raising StreamUnavailable."""
+
     drain_timeout: float = 5.0
     """Upper bound of close()."""
 
@@ -184,6 +224,8 @@ class ConnectOptions:
         for name in ("connect_timeout", "reconnect_wait_min", "request_timeout", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ConnectOptions.{name} must be > 0, got {getattr(self, name)}")
+        if self.leader_wait_s < 0:
+            raise ValueError(f"ConnectOptions.leader_wait_s must be >= 0, got {self.leader_wait_s}")
         if self.reconnect_wait_max < self.reconnect_wait_min:
             raise ValueError(
                 f"ConnectOptions.reconnect_wait_max ({self.reconnect_wait_max}) must be >= "
@@ -240,6 +282,7 @@ async def connect(options: ConnectOptions, run: str) -> Bus:
     connecting, connected = True, False
     last_error: list[BaseException] = []  # of the first connect; the auth error sticks
     logger = log.bind(connection=options.name)
+    bus: Bus | None = None  # set once connected; error_cb hands it permission refusals
 
     def fatal_fix(e: BaseException) -> str | None:
         """The fix for errors that retrying cannot cure (credentials, certificates); else None."""
@@ -256,7 +299,13 @@ async def connect(options: ConnectOptions, run: str) -> Bus:
             if fatal_fix(e):
                 nc.options["allow_reconnect"] = False  # make connect() raise now
             return
-        if isinstance(e, nats.errors.SlowConsumerError):
+        denied = PERMISSION_DENIED.search(str(e))
+        if denied is not None:
+            operation, subject = denied.group(1).lower(), denied.group(2).lower()
+            logger.warning("nats permission denied", subject=subject, operation=operation, user=options.user)
+            if bus is not None:
+                bus._permission_denied(subject)
+        elif isinstance(e, nats.errors.SlowConsumerError):
             logger.warning("nats slow consumer, messages dropped", subject=e.subject)
         else:
             logger.warning("nats error", error=repr(e))
@@ -313,6 +362,7 @@ async def connect(options: ConnectOptions, run: str) -> Bus:
             "check that nats-server is running there (`areal-async run` starts an embedded one) or set bus.url"
         )
     connected = True
+    bus = Bus(nc, run, options)
     nc.options["allow_reconnect"] = True
     nc.options["max_reconnect_attempts"] = options.max_reconnect_attempts
     logger.info(
@@ -323,7 +373,7 @@ async def connect(options: ConnectOptions, run: str) -> Bus:
         max_payload=nc.max_payload,
         seconds=round(time.monotonic() - t0, 3),
     )
-    return Bus(nc, run, options)
+    return bus
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,12 +488,17 @@ class Consumer:
         self._psub: JetStreamContext.PullSubscription | None = None
         self._buffer: deque[Msg] = deque()
         self._closed = False
+        self._leaderless_since: float | None = None
 
     async def start(self) -> Self:
-        """Bind to the durable consumer; StreamNotFound if provision() never created it."""
+        """Bind to the durable consumer; StreamNotFound if provision() never created it,
+        StreamUnavailable if it has no leader for options.leader_wait_s."""
         if self._psub is None:
+            what = f"consumer {self.durable!r} of stream {self.spec.name}"
             try:
-                await self._bus.js.consumer_info(self.spec.name, self.durable)
+                await self._bus._while_leaderless(
+                    what, lambda: self._bus.js.consumer_info(self.spec.name, self.durable)
+                )
             except nats.js.errors.NotFoundError:
                 raise StreamNotFound(
                     f"consumer {self.durable!r} of stream {self.spec.name} does not exist; "
@@ -477,15 +532,30 @@ class Consumer:
                     return delivery
             try:
                 msgs = await self._psub.fetch(self._batch, timeout=self._fetch_timeout)
-            except (
-                TimeoutError,
-                nats.errors.TimeoutError,
-            ):  # nothing yet, or NATS is away; nats-py raises either type
+            except TimeoutError:  # nothing yet, or NATS is away (nats-py's TimeoutError too)
+                continue
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as e:
+                if self._closed or self._bus.nc.is_closed:
+                    break
+                # The consumer is electing a leader (its node died); wait like for a timeout.
+                if self._leaderless_since is None:
+                    self._leaderless_since = time.monotonic()
+                    log.info("consumer has no leader, waiting", consumer=self.durable, error=repr(e))
+                else:
+                    log.debug("consumer still has no leader", consumer=self.durable, error=repr(e))
+                await anyio.sleep(random.uniform(0.1, 0.3))
                 continue
             except Exception:
                 if self._closed or self._bus.nc.is_closed:
                     break
                 raise
+            if self._leaderless_since is not None:
+                log.info(
+                    "consumer has a leader again",
+                    consumer=self.durable,
+                    seconds=round(time.monotonic() - self._leaderless_since, 1),
+                )
+                self._leaderless_since = None
             self._buffer.extend(msgs)
         raise StopAsyncIteration
 
@@ -643,6 +713,17 @@ class KvWatch:
 # the bus
 
 
+@dataclass(eq=False)
+class _Refusable:
+    """A JetStream request in flight that a permissions ``-ERR`` for ``subject`` cancels."""
+
+    subject: str
+    """Lowercased, as nats-py reports refused subjects."""
+
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    denied: bool = False
+
+
 def _per_stream(value: float | int | Mapping[str, Any], key: str, default: Any) -> Any:
     if isinstance(value, Mapping):
         return value.get(key, default)
@@ -660,13 +741,102 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream(timeout=options.request_timeout)
         self.worker_id = options.name or f"{socket.gethostname()}-{os.getpid()}"
         self.stats: Counter[str] = Counter()
-        """published, consumed, deadletter, deadletter_lost; publish_s and decode_s (seconds spent)."""
+        """published, consumed, deadletter, deadletter_lost, permission_denied, publish_retries;
+        publish_s and decode_s (seconds spent)."""
         self._max_msg_size: dict[str, int] = {}
         self._kv: dict[str, KeyValue] = {}
         self._open: set[Consumer | Subscription | KvWatch] = set()
+        self._refusable: set[_Refusable] = set()
 
     def __repr__(self) -> str:
         return f"Bus(run={self.run!r}, url={self.nc.connected_url.geturl() if self.nc.connected_url else None!r})"
+
+    # -- refusals and elections ---------------------------------------------------------------
+
+    def _permission_denied(self, subject: str) -> None:
+        """The server refused ``subject`` (lowercased): fail the requests waiting on it now."""
+        self.stats["permission_denied"] += 1
+        for request in list(self._refusable):
+            if request.subject == subject:
+                request.denied = True
+                request.scope.cancel()
+
+    @contextmanager
+    def _refused_raises(self, subject: str) -> Iterator[None]:
+        """Raise BusPermissionError as soon as the server refuses ``subject`` for permissions.
+
+        A refused request gets no reply, only an ``-ERR`` on the connection (error_cb); without
+        this race the caller would wait request_timeout for a plain TimeoutError.
+        """
+        request = _Refusable(subject.lower())
+        self._refusable.add(request)
+        try:
+            with request.scope:
+                yield
+        finally:
+            self._refusable.discard(request)
+        if request.denied:
+            user = self.options.user
+            raise BusPermissionError(
+                f"{f'user {user!r}' if user else 'this connection'} may not publish to {subject} "
+                "(the server refused it: permissions violation); grant it in the server's permissions "
+                "(scripts/nats/permissions.conf) or run this worker with its role's credentials",
+                subject=subject,
+                user=user,
+            )
+
+    def _no_leader(self, what: str, waited: float, error: BaseException) -> StreamUnavailable:
+        why = (
+            "not connected to NATS (reconnecting)"
+            if not self.nc.is_connected
+            else "no leader: election or lost quorum; check that a majority of the NATS cluster is up"
+        )
+        return StreamUnavailable(f"{what} did not answer for {waited:.1f}s ({error!r}): {why}")
+
+    async def _while_leaderless(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` (a JetStream API request), retried while ``what`` has no leader (timeout,
+        503) and the client is not closed, up to options.leader_wait_s; then StreamUnavailable."""
+        started = time.monotonic()
+        delay, retries = 0.05, 0
+        while True:
+            try:
+                result = await call()
+            except LEADERLESS as e:
+                waited = time.monotonic() - started
+                if self.nc.is_closed:
+                    raise
+                if waited + delay > self.options.leader_wait_s:
+                    raise self._no_leader(what, waited, e) from e
+                if retries == 0:
+                    log.info("jetstream unavailable, retrying", what=what, error=repr(e))
+                else:
+                    log.debug("jetstream unavailable, retrying", what=what, error=repr(e))
+                retries += 1
+                await anyio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(1.0, delay * 2)
+                continue
+            if retries:
+                log.info("jetstream available again", what=what, seconds=round(time.monotonic() - started, 1))
+            return result
+
+    @staticmethod
+    def _not_provisioned(spec: StreamSpec, subject: str) -> StreamNotFound:
+        return StreamNotFound(
+            f"stream {spec.name} for {subject} does not exist; call bus.provision() first "
+            "(the controller does at start)"
+        )
+
+    async def _stream_missing(self, spec: StreamSpec) -> bool:
+        """True only when JetStream says the stream does not exist; a leaderless one times out or
+        answers 503, which is not "missing"."""
+        try:
+            await self.js.stream_info(spec.name)
+        except nats.js.errors.NotFoundError:
+            self._max_msg_size.pop(spec.name, None)
+            return True
+        except (*LEADERLESS, nats.js.errors.APIError):
+            return False
+        return False
 
     # -- provisioning -------------------------------------------------------------------------
 
@@ -835,7 +1005,9 @@ class Bus:
         size = self._max_msg_size.get(spec.name)
         if size is None:
             try:
-                info = await self.js.stream_info(spec.name)
+                info = await self._while_leaderless(
+                    f"stream {spec.name}", lambda: self.js.stream_info(spec.name)
+                )
             except nats.js.errors.NotFoundError:
                 raise StreamNotFound(
                     f"stream {spec.name} for {spec.subject} does not exist; call bus.provision() first"
@@ -871,22 +1043,34 @@ class Bus:
         *,
         msg_id: str | None = None,
         policy_version: int | None = None,
+        leader_wait_s: float | None = None,
     ) -> Published | None:
         """Publish ``event``; returns the stream ack for JetStream subjects, None for core ones.
 
         ``msg_id`` (JetStream only) makes a re-publish within the duplicate window a no-op
-        (``Published.duplicate``). Raises PayloadTooLarge (nothing sent), StreamNotFound,
-        StreamFull, TypeError for an event type the subject does not carry. A JetStream
-        publish waits up to options.request_timeout for the server's ack (nats TimeoutError).
+        (``Published.duplicate``). While the stream has no leader the publish is retried with
+        backoff for up to ``leader_wait_s`` (default options.leader_wait_s), then
+        StreamUnavailable: always when no stream answered (nothing was stored), after an ack
+        timeout only with a ``msg_id`` (the message may have been stored; the id dedups it).
+        Without a ``msg_id`` an ack timeout raises nats' TimeoutError after request_timeout.
+
+        Raises PayloadTooLarge (nothing sent), StreamNotFound, StreamUnavailable, StreamFull,
+        BusPermissionError (at once, naming the subject), TypeError for an event type the
+        subject does not carry.
         """
         started = time.perf_counter()
         try:
-            return await self._publish(subject, event, msg_id, policy_version)
+            return await self._publish(subject, event, msg_id, policy_version, leader_wait_s)
         finally:
             self.stats["publish_s"] += time.perf_counter() - started
 
     async def _publish(
-        self, subject: str, event: Event, msg_id: str | None, policy_version: int | None
+        self,
+        subject: str,
+        event: Event,
+        msg_id: str | None,
+        policy_version: int | None,
+        leader_wait_s: float | None,
     ) -> Published | None:
         suffix = self.subjects.suffix(subject)
         if suffix is None:
@@ -903,11 +1087,7 @@ class Bus:
             self.stats["published"] += 1
             return None
         try:
-            ack = await self.js.publish(subject, payload, headers=headers)
-        except nats.js.errors.NoStreamResponseError:
-            raise StreamNotFound(
-                f"no JetStream stream stores {subject}; call bus.provision() first (the controller does at start)"
-            ) from None
+            ack = await self._js_publish(subject, spec, payload, headers, msg_id, leader_wait_s)
         except nats.js.errors.APIError as e:
             if e.err_code == ERR_STORE_FAILED:
                 raise StreamFull(
@@ -923,6 +1103,56 @@ class Bus:
             raise
         self.stats["published"] += 1
         return Published(stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate))
+
+    async def _js_publish(
+        self,
+        subject: str,
+        spec: StreamSpec,
+        payload: bytes,
+        headers: dict[str, str],
+        msg_id: str | None,
+        leader_wait_s: float | None,
+    ) -> api.PubAck:
+        """``js.publish`` riding out a leader election (see publish())."""
+        budget = self.options.leader_wait_s if leader_wait_s is None else leader_wait_s
+        started = time.monotonic()
+        delay, retries = 0.05, 0
+        while True:
+            try:
+                with self._refused_raises(subject):
+                    ack = await self.js.publish(subject, payload, headers=headers)
+                if retries:
+                    log.info(
+                        "publish resumed",
+                        subject=subject,
+                        retries=retries,
+                        seconds=round(time.monotonic() - started, 1),
+                    )
+                return ack
+            except (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError) as e:
+                if isinstance(e, nats.js.errors.APIError) and e.err_code not in (
+                    None,
+                    ERR_CLUSTER_NOT_AVAILABLE,
+                ):
+                    raise  # a real answer, e.g. the 503 of a full stream (StreamFull)
+                error: Exception = e  # refused before storing: a retry cannot store it twice
+                if retries == 0 and await self._stream_missing(spec):
+                    raise self._not_provisioned(spec, subject) from None
+            except TimeoutError as e:
+                if msg_id is None:
+                    raise  # it may have been stored: without a msg id a retry could store it twice
+                error = e
+            waited = time.monotonic() - started
+            if waited + delay > budget:
+                if await self._stream_missing(spec):
+                    raise self._not_provisioned(spec, subject) from None
+                raise self._no_leader(f"stream {spec.name} ({subject})", waited, error) from error
+            if retries == 0:
+                log.warning("stream unavailable, retrying publish", subject=subject, error=repr(error))
+            retries += 1
+            self.stats["publish_retries"] += 1
+            await anyio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(1.0, delay * 2)
 
     async def flush(self) -> None:
         """Wait until the server has everything published so far (a PING/PONG round trip)."""
@@ -1065,26 +1295,41 @@ class Bus:
             return None  # includes the TTL limit-marker window (value None, no KV-Operation)
         return KvEntry(key=key, value=entry.value, revision=entry.revision or 0, operation="PUT")
 
+    def _kv_subject(self, bucket: str, key: str) -> str:
+        return f"$KV.{self.subjects.bucket(bucket)}.{key}"
+
     async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
-        """Write ``value``; returns the new revision."""
-        return await (await self._bucket(bucket)).put(key, value)
+        """Write ``value``; returns the new revision. KV writes raise BusPermissionError at once
+        when the server refuses them."""
+        kv = await self._bucket(bucket)
+        with self._refused_raises(self._kv_subject(bucket, key)):
+            revision = await kv.put(key, value)
+        return revision
 
     async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
         """Write only if ``key`` is absent; KvConflict otherwise."""
+        kv = await self._bucket(bucket)
         try:
-            return await (await self._bucket(bucket)).create(key, value)
+            with self._refused_raises(self._kv_subject(bucket, key)):
+                revision = await kv.create(key, value)
         except nats.js.errors.KeyWrongLastSequenceError as e:
             raise KvConflict(f"{bucket}/{key} already exists") from e
+        return revision
 
     async def kv_update(self, bucket: str, key: str, value: bytes, *, last: int) -> int:
         """Compare-and-set: write only if ``key``'s revision is still ``last``; KvConflict otherwise."""
+        kv = await self._bucket(bucket)
         try:
-            return await (await self._bucket(bucket)).update(key, value, last=last)
+            with self._refused_raises(self._kv_subject(bucket, key)):
+                revision = await kv.update(key, value, last=last)
         except nats.js.errors.KeyWrongLastSequenceError as e:
             raise KvConflict(f"{bucket}/{key} changed since revision {last}; re-read and retry") from e
+        return revision
 
     async def kv_delete(self, bucket: str, key: str) -> None:
-        await (await self._bucket(bucket)).delete(key)
+        kv = await self._bucket(bucket)
+        with self._refused_raises(self._kv_subject(bucket, key)):
+            await kv.delete(key)
 
     async def kv_keys(self, bucket: str) -> list[str]:
         """Keys that currently have a value (deleted and expired keys excluded), sorted."""
@@ -1128,6 +1373,7 @@ __all__ = [
     "Bus",
     "BusConnectError",
     "BusError",
+    "BusPermissionError",
     "ConnectOptions",
     "Consumer",
     "Delivery",
@@ -1140,6 +1386,7 @@ __all__ = [
     "Published",
     "StreamFull",
     "StreamNotFound",
+    "StreamUnavailable",
     "Subscription",
     "connect",
 ]

@@ -9,22 +9,24 @@ direct gets by sequence number, so inspecting never steals a task from a worker.
     areal-async inspect --config RUN.yaml tail trainer.step   decoded events as JSON
 
 The URL comes from ``--url``, else ``bus.url`` of the config, else (embedded server)
-``<run_dir>/nats.url`` written by ``areal-async run``.
+``<run_dir>/nats.url`` written by ``areal-async run``. With ``--config`` inspect connects
+with the run's credentials and TLS settings (``bus.user``/``token``/``creds``/``tls_*``, and
+``AREAL_NATS_PASSWORD``/``AREAL_NATS_TOKEN`` from the environment), as a worker does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
 
-from areal_async.config import load_config
+from areal_async.config import RunConfig, load_config
 from areal_async.errors import ConfigError
 
 PACKED_INT = {"token_ids", "versions", "prompt_ids"}
@@ -53,14 +55,13 @@ def to_jsonable(event: Any) -> Any:
     )
 
 
-def _resolve(args: argparse.Namespace) -> tuple[str, str, Path | None]:
+def _resolve(args: argparse.Namespace) -> tuple[str, str, RunConfig | None]:
     run_name = args.run_name
     url = args.url
-    run_dir = None
+    cfg = None
     if args.config:
         cfg = load_config(args.config, args.overrides)
         run_name = run_name or cfg.name
-        run_dir = cfg.run_dir
         if url is None and cfg.bus.url != "embedded":
             url = cfg.bus.url
         if url is None:
@@ -73,7 +74,7 @@ def _resolve(args: argparse.Namespace) -> tuple[str, str, Path | None]:
             url = f.read_text().strip()
     if not run_name or not url:
         raise ConfigError("inspect needs --config RUN.yaml, or both --url and --run")
-    return url, run_name, run_dir
+    return url, run_name, cfg
 
 
 async def _last_messages(bus: Any, stream_key: str, count: int) -> list[tuple[int, Any]]:
@@ -261,14 +262,19 @@ async def tail(bus: Any, subject: str, count: int) -> int:
 
 async def _inspect(args: argparse.Namespace) -> int:
     from bus.client import ConnectOptions, connect
+    from workers.runtime import connect_options
 
-    url, run_name, _run_dir = _resolve(args)
-    bus = await connect(ConnectOptions(url=url, name="inspect", connect_timeout=5.0), run_name)
+    url, run_name, cfg = _resolve(args)
+    if cfg is not None:  # the run's user, creds, TLS and environment secrets
+        options = connect_options(dataclasses.replace(cfg.bus, url=url), name="inspect")
+    else:
+        options = ConnectOptions(url=url, name="inspect")
+    bus = await connect(dataclasses.replace(options, connect_timeout=5.0), run_name)
     try:
         if args.what == "summary":
             return await summary(bus, args.json)
         if args.what == "steps":
-            eta = load_config(args.config, args.overrides).rollout.max_staleness if args.config else None
+            eta = cfg.rollout.max_staleness if cfg is not None else None
             return await steps(bus, args.count, args.json, eta)
         if args.what == "deadletter":
             return await deadletters(bus, args.count, args.json)

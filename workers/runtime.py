@@ -11,7 +11,9 @@ an anyio task group beside:
   to finish what it holds (unacked work is redelivered to another worker anyway);
 - a run-end task: ``run.ended`` from the controller stops the worker.
 
-Exit code 0 when the run ended or the worker was asked to stop, 1 on a failure.
+Exit code 0 when the run ended or the worker was asked to stop, 1 on a failure, 2 when
+the server refuses the worker a publish for permissions (a restart cannot fix that;
+systemd's ``RestartPreventExitStatus=2`` stops the restart loop).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import structlog
 
 from areal_async.config import BusConfig, RunConfig, write_resolved_config
 from areal_async.logs import configure_logging
-from bus.client import Bus, BusConnectError, ConnectOptions, connect
+from bus.client import Bus, BusConnectError, BusPermissionError, ConnectOptions, connect
 from bus.events import Heartbeat, RunEnded, encode
 
 log = structlog.get_logger()
@@ -183,9 +185,14 @@ async def _main(
             tg.start_soon(_watch_run_end, ctx, tg.cancel_scope)
             await serve(ctx)
             tg.cancel_scope.cancel()
-    except Exception:
-        log.exception("worker failed")
-        code = 1
+    except Exception as exc:
+        denied = _permission_error(exc)
+        if denied is not None:
+            log.error("bus permission denied", subject=denied.subject, user=denied.user, error=str(denied))
+            code = 2
+        else:
+            log.exception("worker failed")
+            code = 1
     finally:
         with anyio.move_on_after(SHUTDOWN_GRACE_S, shield=True):
             ctx.status = "stopped"
@@ -197,6 +204,17 @@ async def _main(
             await bus.close()
     log.info("worker stopped", code=code)
     return code
+
+
+def _permission_error(exc: BaseException) -> BusPermissionError | None:
+    """The BusPermissionError in ``exc``, also inside the task group's exception group."""
+    if isinstance(exc, BusPermissionError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _permission_error(inner)) is not None:
+                return found
+    return None
 
 
 async def _signals(scope: anyio.CancelScope) -> None:

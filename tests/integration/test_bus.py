@@ -27,6 +27,7 @@ from bus import (
     PayloadTooLarge,
     StreamFull,
     StreamNotFound,
+    StreamUnavailable,
     connect,
 )
 from bus import events as ev
@@ -423,6 +424,72 @@ async def test_an_unprovisioned_run_says_to_provision(bus_factory: BusFactory) -
         await bus.consume("GENERATED").start()
     with pytest.raises(StreamNotFound, match="KV bucket"):
         await bus.kv_get("state", "policy_version")
+
+
+@pytest.mark.asyncio
+async def test_a_stream_deleted_under_a_publisher_is_reported_as_missing_not_waited_for(bus: Bus) -> None:
+    """A publish (with a msg id, so it would retry a leaderless stream) to a stream that is gone
+    asks JetStream, learns that it does not exist, and raises StreamNotFound at once instead of
+    waiting leader_wait_s for an election that will never come."""
+    await bus.publish(bus.subjects.prompt, prompt_task(1), msg_id="t1")
+    await bus.js.delete_stream(bus.subjects.stream("PROMPT").name)
+    with anyio.fail_after(bus.options.leader_wait_s / 2):
+        with pytest.raises(StreamNotFound, match=r"call bus.provision\(\)"):
+            await bus.publish(bus.subjects.prompt, prompt_task(2), msg_id="t2")
+
+
+@pytest.mark.asyncio
+async def test_publish_and_consumer_start_wait_for_the_stream_and_store_once(
+    server_factory: Callable[..., EmbeddedServer],
+) -> None:
+    """While JetStream cannot answer (here: its only server is down) a publish with a msg id
+    and a consumer's start are retried: past leader_wait_s the publish raises
+    StreamUnavailable naming the stream; within it, both complete once the server is back,
+    every message is stored at most once, and the consumer delivers."""
+    server = server_factory()
+    port = int(str(server.url).rsplit(":", 1)[1])
+    options = ConnectOptions(url=server.url, name="patient", reconnect_wait_max=0.2, request_timeout=0.5)
+    bus = await connect(options, "r1")
+    try:
+        await bus.provision()
+        server.stop()
+
+        async def disconnected() -> bool:
+            return not bus.nc.is_connected
+
+        await wait_until(disconnected)
+        with pytest.raises(StreamUnavailable, match="AREAL_r1_PROMPT"):
+            await bus.publish(bus.subjects.prompt, prompt_task(1), msg_id="t1", leader_wait_s=1.0)
+
+        async def restart() -> None:
+            await anyio.sleep(0.5)
+            server_factory(store_dir=server.store_dir, port=port)
+
+        waited: dict[str, object] = {}
+
+        async def publish() -> None:
+            waited["published"] = await bus.publish(bus.subjects.prompt, prompt_task(2), msg_id="t2")
+
+        async def start_consumer() -> None:
+            waited["consumer"] = await bus.consume("PROMPT", batch=1, fetch_timeout=0.5).start()
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for job in (publish, start_consumer, restart):
+                    tg.start_soon(job)
+        assert waited["published"] is not None and bus.stats["publish_retries"] > 0
+        consumer = waited["consumer"]
+        assert isinstance(consumer, Consumer)
+        assert (await next_delivery(consumer)).event.index in (1, 2)
+        name = bus.subjects.stream("PROMPT").name
+        state = (await bus.js.stream_info(name)).state
+        stored: Counter[int] = Counter()
+        for seq in range(state.first_seq, state.last_seq + 1):
+            stored[msgpack.unpackb((await bus.js.get_msg(name, seq)).data)["index"]] += 1
+        # t1 may be stored too: nats-py sends what it buffered while disconnected on reconnect
+        assert stored[2] == 1 and stored[1] <= 1 and set(stored) <= {1, 2}, stored
+    finally:
+        await bus.close()
 
 
 @pytest.mark.asyncio

@@ -8,14 +8,20 @@ rewritten) and connects through ``bus.client.connect`` exactly as a worker does:
   with ``nkeys``, as ``nsc`` would) admit the right client and refuse others with a
   ``BusConnectError`` naming the URL and the cause;
 * each role can do its whole job under ``permissions.conf``, and a publish outside a role's
-  permissions is refused by the server, logged by the bus (``nats error`` with the
-  server's "permissions violation"), and leaves the connection working.
+  permissions is refused by the server, logged and counted by the bus (``nats permission
+  denied`` naming the subject), raises ``BusPermissionError`` at once for a JetStream
+  publish or KV write, and leaves the connection working; a worker refused that way exits 2;
+* ``areal-async inspect --config`` connects with the run's credentials.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,10 +32,11 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from bus import Bus, BusConnectError, BusError, ConnectOptions, EmbeddedServer, connect
+from bus import Bus, BusConnectError, BusError, BusPermissionError, ConnectOptions, EmbeddedServer, connect
 from bus import events as ev
 from bus.events import expected_type
 from tests.integration.ops_helpers import (
+    REPO,
     ROLES,
     check_config,
     copy_nats_configs,
@@ -84,6 +91,10 @@ async def wait_for_denial(logs: Sequence[Mapping[str, Any]], subject: str) -> No
     with anyio.fail_after(5):
         while not any(subject.lower() in d.lower() for d in denials(logs)):  # noqa: ASYNC110
             await anyio.sleep(0.01)
+
+
+async def stream_messages(bus: Bus, key: str) -> int:
+    return (await bus.js.stream_info(bus.subjects.stream(key).name)).state.messages
 
 
 def sample(sample_events: Mapping[str, ev.Event], subject: str) -> ev.Event:
@@ -287,15 +298,12 @@ async def test_a_reward_worker_may_not_touch_weights_and_survives_trying(
 ) -> None:
     """A reward worker publishing weights.load (core NATS) is refused by the server: the
     message reaches no one, the bus logs the violation naming the subject, and the
-    connection keeps working. Writing weights.served into the state bucket or deleting a
-    stream (JetStream requests) raises instead of hanging, and changes nothing.
-
-    Today a refused JetStream request surfaces as a timeout after request_timeout; see the
-    ops report for the proposed BusPermissionError.
-    """
+    connection keeps working. A JetStream publish (prompt) and every KV write (weights.served)
+    it may not make raise BusPermissionError naming the subject and the user at once, well
+    before request_timeout, are logged and counted, and change nothing."""
     with capture_logs() as logs:
         ops = await connect(users_server.options("ops"), run_name)
-        reward = await connect(users_server.options("reward", request_timeout=1.0), run_name)
+        reward = await connect(users_server.options("reward", request_timeout=10.0), run_name)
         try:
             await reward.provision()
             async with ops.subscribe(ops.subjects.weights_load) as spy:
@@ -312,19 +320,117 @@ async def test_a_reward_worker_may_not_touch_weights_and_survives_trying(
             assert reward.nc.is_connected
             await round_trip(reward, ops, sample_events, "rollout_scored", "SCORED")  # still does its job
 
-            with pytest.raises((BusError, TimeoutError)):
-                await reward.kv_put("state", "weights.served", b"forged")
-            await wait_for_denial(logs, f"{reward.subjects.state_bucket}.weights.served")
+            prompt = reward.subjects.prompt
+            kv_subject = f"$KV.{reward.subjects.state_bucket}.weights.served"
+            refused = [  # (what, the subject the server refuses, the attempt)
+                (
+                    "publish",
+                    prompt,
+                    lambda: reward.publish(prompt, sample(sample_events, prompt), msg_id="x"),
+                ),
+                ("kv_put", kv_subject, lambda: reward.kv_put("state", "weights.served", b"forged")),
+                ("kv_create", kv_subject, lambda: reward.kv_create("state", "weights.served", b"forged")),
+                ("kv_update", kv_subject, lambda: reward.kv_update("state", "weights.served", b"x", last=1)),
+                ("kv_delete", kv_subject, lambda: reward.kv_delete("state", "weights.served")),
+            ]
+            for what, subject, attempt in refused:
+                t0 = time.monotonic()
+                with pytest.raises(BusPermissionError) as info:
+                    await attempt()
+                assert time.monotonic() - t0 < 1, f"{what}: waited for a reply that never comes"
+                assert (info.value.subject, info.value.user) == (subject, "reward"), what
+                assert subject in str(info.value) and "'reward'" in str(info.value), what
+                await wait_for_denial(logs, subject)
+            assert reward.stats["permission_denied"] >= 1 + len(refused)
+            assert any(e["event"] == "nats permission denied" for e in logs)
             assert await ops.kv_get("state", "weights.served") is None
+            assert await stream_messages(ops, "PROMPT") == 0
 
             prompt_stream = reward.subjects.stream("PROMPT").name
-            with pytest.raises((BusError, TimeoutError)):
-                await reward.js.delete_stream(prompt_stream)
+            with pytest.raises((BusError, TimeoutError)):  # a raw JetStream API call: only the log says why
+                await reward.nc.jetstream(timeout=1.0).delete_stream(prompt_stream)
+            await wait_for_denial(logs, f"$JS.API.STREAM.DELETE.{prompt_stream}")
             assert (await ops.js.stream_info(prompt_stream)).config.name == prompt_stream
+
             assert reward.nc.is_connected
+            await round_trip(reward, ops, sample_events, "rollout_scored", "SCORED")  # and still does
         finally:
             await reward.close()
             await ops.close()
+
+
+FORGER = """
+import sys, time
+from areal_async.config import load_config
+from bus import events as ev
+from workers.runtime import run_role
+
+async def serve(ctx):
+    task = ev.PromptTask(task_id="forged:0", kind="train", index=0, epoch=0, row={}, issued_at=time.time())
+    await ctx.bus.publish(ctx.bus.subjects.prompt, task, msg_id="forged:0")
+
+sys.exit(run_role(load_config(sys.argv[1], []), role="reward", serve=serve, worker_id="reward-forger"))
+"""
+
+
+def test_a_worker_refused_for_permissions_exits_2_and_says_why(
+    run_name: str, users_server: UsersServer, tmp_path: Path
+) -> None:
+    """A worker whose serve() makes a publish its user may not make exits with status 2 (which
+    areal-worker@.service does not restart), and its log names the refused subject."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"name: {run_name}\ndir: {run_dir}\n"
+        f"bus:\n  url: {users_server.url}\n  user: reward\n  connect_timeout_s: 5\n"
+        "logging:\n  format: json\n"
+    )
+    env = {**os.environ, "AREAL_NATS_PASSWORD": users_server.passwords["reward"], "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", FORGER, str(config)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [json.loads(line) for line in (run_dir / "logs" / "reward-forger.jsonl").read_text().splitlines()]
+    refused = [e for e in lines if e["event"] == "bus permission denied"]
+    assert refused and refused[0]["subject"] == f"areal.{run_name}.prompt" and refused[0]["user"] == "reward"
+
+
+@pytest.mark.asyncio
+async def test_inspect_connects_with_the_run_files_credentials(
+    run_name: str, users_server: UsersServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """``areal-async inspect --config RUN.yaml`` logs in as the run file's user (bus.user, the
+    password from AREAL_NATS_PASSWORD) and reports the run; without credentials the same
+    server refuses it."""
+    from workers.cli import main_parser
+    from workers.inspect import _inspect
+
+    ops = await connect(users_server.options("ops"), run_name)
+    try:
+        await ops.provision()
+    finally:
+        await ops.close()
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"name: {run_name}\ndir: {tmp_path / 'run'}\nbus:\n  url: {users_server.url}\n  user: ops\n"
+    )
+    monkeypatch.setenv("AREAL_NATS_PASSWORD", users_server.passwords["ops"])
+    capsys.readouterr()
+    with capture_logs():  # structlog prints to stdout otherwise; keep stdout to the report
+        assert await _inspect(main_parser().parse_args(["inspect", "--config", str(config), "--json"])) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["run"] == run_name and report["streams"]["PROMPT"]["consumer"] == "generation"
+
+    monkeypatch.delenv("AREAL_NATS_PASSWORD")
+    config.write_text(f"name: {run_name}\ndir: {tmp_path / 'run'}\nbus:\n  url: {users_server.url}\n")
+    with pytest.raises(BusConnectError, match="(?i)authorization violation"):
+        await _inspect(main_parser().parse_args(["inspect", "--config", str(config)]))
 
 
 # ---------------------------------------------------------------------------------------------
