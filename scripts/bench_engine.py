@@ -37,6 +37,7 @@ import torch
 
 from areal_async.engines.base import GenerationRequest, SamplingParams
 from areal_async.engines.local import LocalEngine
+from areal_async.logs import configure_logging
 from areal_async.models import build_tiny_model, load_causal_lm, prepare_smollm2, torch_dtype
 
 QWEN2_05B = dict(
@@ -70,6 +71,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--skip-generate", action="store_true", help="only bench the engine")
+    parser.add_argument(
+        "--engine-modes",
+        default=None,
+        help=f"comma-separated subset of {sorted(ENGINE_MODES)}; default dynamic,slots (+graphs on cuda)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=1, help="alternate engine/generate runs this often; keep the fastest"
     )
@@ -113,15 +119,26 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+ENGINE_MODES: dict[str, dict[str, Any]] = {
+    "dynamic": {"kv_cache": "dynamic"},
+    "slots": {"kv_cache": "slots"},
+    "graphs": {"kv_cache": "slots", "cuda_graphs": True},
+}
+
+
 async def bench_engine(
     model: torch.nn.Module,
     batch: int,
     requests: list[GenerationRequest],
     warmup: list[GenerationRequest],
+    options: dict[str, Any],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    async with LocalEngine(model, device=args.device, max_batch_size=batch, seed=args.seed) as engine:
+    engine = LocalEngine(model, device=args.device, max_batch_size=batch, seed=args.seed, **options)
+    async with engine:
         await engine.generate(warmup)
+        if options.get("cuda_graphs"):  # capture the graphs for every batch/span bucket before timing
+            await engine.generate(requests[:batch])
         steps_before = engine.steps
         synchronize(args.device)
         started = time.perf_counter()
@@ -178,10 +195,16 @@ def machine() -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
+    configure_logging(level="warning", fmt="console")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    default_modes = "dynamic,slots,graphs" if args.device.startswith("cuda") else "dynamic,slots"
+    modes = (args.engine_modes or default_modes).split(",")
+    unknown = sorted(set(modes) - set(ENGINE_MODES))
+    if unknown:
+        raise SystemExit(f"unknown --engine-modes {unknown}; choose from {sorted(ENGINE_MODES)}")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         model, label = load_model(args, Path(scratch))
@@ -208,8 +231,19 @@ def main() -> None:
                 "requests": len(requests),
             }
             best: dict[str, dict[str, Any]] = {}
-            for _ in range(args.repeats):  # alternate, so load changes on a shared machine hit both sides
-                runs = {"engine": anyio.run(bench_engine, model, batch, requests, warmup, args)}
+            failed: dict[str, str] = {}
+            for _ in range(args.repeats):  # alternate, so load changes on a shared machine hit all modes
+                runs = {}
+                for mode in modes:
+                    if mode in failed:
+                        continue
+                    try:
+                        runs[f"engine[{mode}]"] = anyio.run(
+                            bench_engine, model, batch, requests, warmup, ENGINE_MODES[mode], args
+                        )
+                    except Exception as exc:  # report and keep benching the other modes
+                        failed[mode] = repr(exc)
+                        print(f"engine[{mode}] failed at batch {batch}: {exc!r}")
                 if not args.skip_generate:
                     runs["generate"] = bench_generate(model, batch, requests, args)
                 for mode, run in runs.items():
@@ -217,15 +251,22 @@ def main() -> None:
                         best[mode] = run
             for mode, run in best.items():
                 rows.append({**common, "mode": mode, **run, "tok_s": run["tokens"] / run["seconds"]})
+            for mode, error in failed.items():
+                rows.append(
+                    {**common, "mode": f"engine[{mode}]", "error": error, "tokens": 0, "seconds": 0.0}
+                )
     print(
-        f"{'mode':<9} {'batch':>5} {'reqs':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'vs generate':>11}"
+        f"{'mode':<17} {'batch':>5} {'reqs':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'vs generate':>11}"
     )
     baseline = {r["batch"]: r["tok_s"] for r in rows if r["mode"] == "generate"}
     for row in rows:
+        if "error" in row:
+            print(f"{row['mode']:<17} {row['batch']:>5} {row['requests']:>5}  failed: {row['error'][:60]}")
+            continue
         speedup = row["tok_s"] / baseline[row["batch"]] if row["batch"] in baseline else float("nan")
         row["speedup_vs_generate"] = speedup
         print(
-            f"{row['mode']:<9} {row['batch']:>5} {row['requests']:>5} {row['tokens']:>7} "
+            f"{row['mode']:<17} {row['batch']:>5} {row['requests']:>5} {row['tokens']:>7} "
             f"{row['seconds']:>8.2f} {row['tok_s']:>9.1f} {speedup:>10.2f}x"
         )
     if args.out:

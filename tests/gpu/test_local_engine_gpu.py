@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,19 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+
+LAYOUTS = {
+    "dynamic": {"kv_cache": "dynamic"},
+    "slots": {"kv_cache": "slots"},
+    "slots+graphs": {"kv_cache": "slots", "cuda_graphs": True},
+}
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def engine_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Every KV layout, including the CUDA-graph decode path."""
+    return LAYOUTS[request.param]
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +65,11 @@ def tiny_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.asyncio
-async def test_cuda_logprobs_match_teacher_forced_forward(tiny_a: Path) -> None:
+async def test_cuda_logprobs_match_teacher_forced_forward(
+    tiny_a: Path, engine_options: dict[str, Any]
+) -> None:
     """On CUDA, temperature 1 and temperature 0.7 + top-k + top-p log-probs match the oracle."""
-    plain = make_requests(24, max_new_tokens=40, seed=None)
+    plain = make_requests(24, lengths=(40, 13, 27, 6), seed=None)
     filtered = [
         GenerationRequest(
             request_id=f"f{i}",
@@ -63,22 +79,26 @@ async def test_cuda_logprobs_match_teacher_forced_forward(tiny_a: Path) -> None:
         for i, r in enumerate(make_requests(8, prompt_len=11))
     ]
     requests = plain + filtered
-    async with LocalEngine(tiny_a, device="cuda", max_batch_size=16) as engine:
+    async with LocalEngine(tiny_a, device="cuda", max_batch_size=16, **engine_options) as engine:
         results = await engine.generate(requests)
         model = engine.model
     assert next(model.parameters()).device.type == "cuda"
     for request, result in zip(requests, results, strict=True):
-        assert len(result.token_ids) == 40
-        assert_logprobs_match(model, request.sampling, result, range(40))
+        length = request.sampling.max_new_tokens
+        assert len(result.token_ids) == length
+        assert_logprobs_match(model, request.sampling, result, range(length))
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("location", ["dir", "state_dict"])
 async def test_cuda_weight_swap_mid_generation_switches_versions_and_loses_nothing(
-    tiny_a: Path, tiny_b: Path, location: str
+    tiny_a: Path, tiny_b: Path, location: str, engine_options: dict[str, Any]
 ) -> None:
-    """On CUDA, tokens before the swap carry version 0 (match A), after it version 1 (match B)."""
-    results, model_a, model_b = await run_interruption(tiny_a, tiny_b, device="cuda", location=location)
+    """On CUDA, tokens before the swap carry version 0 (match A), after it version 1 (match B);
+    with CUDA graphs the in-place weight copy keeps the captured graphs valid."""
+    results, model_a, model_b = await run_interruption(
+        tiny_a, tiny_b, device="cuda", location=location, **engine_options
+    )
     check_interruption(results, model_a, model_b)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -32,6 +33,12 @@ torch.set_num_threads(1)
 TOL = 1e-4
 
 
+@pytest.fixture(params=["dynamic", "slots"])
+def kv_cache(request: pytest.FixtureRequest) -> str:
+    """Both KV layouts must give the same guarantees."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def tiny_a(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_a"), seed=0, max_positions=256)
@@ -50,17 +57,30 @@ def tiny_qwen_bpe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_requests(
-    count: int, *, prompt_len: int = 5, vary: int = 3, **sampling: object
+    count: int,
+    *,
+    prompt_len: int = 5,
+    vary: int = 3,
+    lengths: Sequence[int] = (),
+    **sampling: Any,
 ) -> list[GenerationRequest]:
-    """`count` requests with distinct prompts of length prompt_len + i % vary."""
-    return [
-        GenerationRequest(
-            request_id=f"r{i}",
-            prompt_ids=[4 + (7 * i + j) % 90 for j in range(prompt_len + i % vary)],
-            sampling=SamplingParams(**sampling),  # type: ignore[arg-type]
+    """`count` requests with distinct prompts of length prompt_len + i % vary; max_new_tokens cycles
+    through `lengths` when given (mixed lengths make rows finish mid-batch and slots get reused)."""
+    requests = []
+    for i in range(count):
+        if lengths:
+            sampling["max_new_tokens"] = lengths[i % len(lengths)]
+        requests.append(
+            GenerationRequest(
+                request_id=f"r{i}",
+                prompt_ids=[4 + (7 * i + j) % 90 for j in range(prompt_len + i % vary)],
+                sampling=SamplingParams(**sampling),
+            )
         )
-        for i in range(count)
-    ]
+    return requests
+
+
+INTERRUPT_LENGTHS = (150, 90, 120, 60, 140, 100)
 
 
 def teacher_forced_logits(model: torch.nn.Module, result: GenerationResult) -> torch.Tensor:
@@ -106,14 +126,14 @@ async def wait_for_steps(engine: LocalEngine, steps: int) -> None:
 
 
 async def run_interruption(
-    path_a: Path, path_b: Path, *, device: str = "cpu", location: str = "dir"
+    path_a: Path, path_b: Path, *, device: str = "cpu", location: str = "dir", **engine_kwargs: Any
 ) -> tuple[list[GenerationResult], torch.nn.Module, torch.nn.Module]:
     """Generate 6 requests (batch 4) with weights A, load B (version 1) mid-decode; return results."""
     model_a = load_causal_lm(path_a, device=device)
     model_b = load_causal_lm(path_b, device=device)
-    requests = make_requests(6, max_new_tokens=150, seed=None)
+    requests = make_requests(6, lengths=INTERRUPT_LENGTHS, seed=None)
     source = str(path_b) if location == "dir" else {k: v.clone() for k, v in model_b.state_dict().items()}
-    async with LocalEngine(path_a, device=device, max_batch_size=4) as engine:
+    async with LocalEngine(path_a, device=device, max_batch_size=4, **engine_kwargs) as engine:
         async with anyio.create_task_group() as tg:
             box: list[list[GenerationResult]] = []
 
@@ -134,8 +154,8 @@ def check_interruption(
     """Versions switch 0 -> 1 once; each side's log-probs match that side's weights on the full prefix."""
     assert len(results) == 6
     switched = 0
-    for result in results:
-        assert len(result.token_ids) == 150 and result.finish_reason == "length"
+    for result, length in zip(results, INTERRUPT_LENGTHS, strict=True):
+        assert len(result.token_ids) == length and result.finish_reason == "length"
         assert result.versions == sorted(result.versions)
         assert set(result.versions) <= {0, 1}
         old = [i for i, v in enumerate(result.versions) if v == 0]
@@ -154,22 +174,25 @@ def check_interruption(
     ("model_fixture", "max_prefill_tokens"), [("tiny_a", 8192), ("tiny_a", 8), ("tiny_qwen_bpe", 8192)]
 )
 async def test_logprobs_match_teacher_forced_forward_at_temperature_1(
-    model_fixture: str, max_prefill_tokens: int, request: pytest.FixtureRequest
+    model_fixture: str, max_prefill_tokens: int, kv_cache: str, request: pytest.FixtureRequest
 ) -> None:
     """At temperature 1 the reported log-prob is log_softmax of an unpadded forward, for every token,
     also when joiners are prefilled in several chunks (tiny max_prefill_tokens)."""
     path = request.getfixturevalue(model_fixture)
-    requests = make_requests(7, max_new_tokens=24, seed=None)
-    async with LocalEngine(path, max_batch_size=3, max_prefill_tokens=max_prefill_tokens) as engine:
+    requests = make_requests(7, lengths=(24, 9, 17, 5, 30), seed=None)
+    async with LocalEngine(
+        path, max_batch_size=3, max_prefill_tokens=max_prefill_tokens, kv_cache=kv_cache
+    ) as engine:
         results = await engine.generate(requests)
     for request, result in zip(requests, results, strict=True):
-        assert len(result.token_ids) == 24 and result.versions == [0] * 24
-        assert_logprobs_match(engine.model, request.sampling, result, range(24))
+        length = request.sampling.max_new_tokens
+        assert len(result.token_ids) == length and result.versions == [0] * length
+        assert_logprobs_match(engine.model, request.sampling, result, range(length))
 
 
 @pytest.mark.asyncio
 async def test_logprobs_are_under_the_processed_distribution_with_temperature_top_k_top_p(
-    tiny_a: Path,
+    tiny_a: Path, kv_cache: str
 ) -> None:
     """With temperature/top-k/top-p the log-prob is under the filtered distribution actually sampled from."""
     settings = [
@@ -180,16 +203,16 @@ async def test_logprobs_are_under_the_processed_distribution_with_temperature_to
     ]
     requests = []
     for i, setting in enumerate(settings * 2):
-        requests += make_requests(1, prompt_len=3 + i, max_new_tokens=20, seed=i, **setting)
+        requests += make_requests(1, prompt_len=3 + i, max_new_tokens=8 + 3 * i, seed=i, **setting)
     requests = [
         GenerationRequest(request_id=f"q{i}", prompt_ids=r.prompt_ids, sampling=r.sampling)
         for i, r in enumerate(requests)
     ]
-    async with LocalEngine(tiny_a, max_batch_size=4) as engine:
+    async with LocalEngine(tiny_a, max_batch_size=4, kv_cache=kv_cache) as engine:
         results = await engine.generate(requests)
     for request, result in zip(requests, results, strict=True):
         sampling = request.sampling
-        assert_logprobs_match(engine.model, sampling, result, range(20))
+        assert_logprobs_match(engine.model, sampling, result, range(sampling.max_new_tokens))
         if sampling.top_k:
             logits = teacher_forced_logits(engine.model, result)
             ranks = (logits > logits.gather(1, torch.tensor(result.token_ids)[:, None])).sum(1)
@@ -210,19 +233,21 @@ async def test_greedy_takes_argmax_and_reports_raw_softmax_logprob(tiny_a: Path)
 
 @pytest.mark.asyncio
 async def test_weights_loaded_mid_generation_from_checkpoint_dir_switch_versions_without_losing_requests(
-    tiny_a: Path, tiny_b: Path
+    tiny_a: Path, tiny_b: Path, kv_cache: str
 ) -> None:
     """Tokens before the swap carry version 0 and match A; after it, version 1 and B on the full prefix."""
-    results, model_a, model_b = await run_interruption(tiny_a, tiny_b, location="dir")
+    results, model_a, model_b = await run_interruption(tiny_a, tiny_b, location="dir", kv_cache=kv_cache)
     check_interruption(results, model_a, model_b)
 
 
 @pytest.mark.asyncio
 async def test_weights_loaded_mid_generation_from_state_dict_switch_versions(
-    tiny_a: Path, tiny_b: Path
+    tiny_a: Path, tiny_b: Path, kv_cache: str
 ) -> None:
     """The in-memory state-dict path interrupts and resumes exactly like the checkpoint-dir path."""
-    results, model_a, model_b = await run_interruption(tiny_a, tiny_b, location="state_dict")
+    results, model_a, model_b = await run_interruption(
+        tiny_a, tiny_b, location="state_dict", kv_cache=kv_cache
+    )
     check_interruption(results, model_a, model_b)
 
 
@@ -254,14 +279,16 @@ async def test_idle_engine_serves_new_weights_after_state_dict_load(tiny_a: Path
 
 
 @pytest.mark.asyncio
-async def test_short_request_frees_its_slot_for_a_queued_one_before_the_longest_ends(tiny_a: Path) -> None:
+async def test_short_request_frees_its_slot_for_a_queued_one_before_the_longest_ends(
+    tiny_a: Path, kv_cache: str
+) -> None:
     """Continuous batching: with 2 slots, a queued request is admitted when a short one finishes."""
     lengths = {"long": 60, "short": 5, "queued": 5}
     requests = [
         GenerationRequest(request_id=name, prompt_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=n))
         for name, n in lengths.items()
     ]
-    async with LocalEngine(tiny_a, max_batch_size=2) as engine:
+    async with LocalEngine(tiny_a, max_batch_size=2, kv_cache=kv_cache) as engine:
         long, short, queued = await engine.generate(requests)
     assert short.stats["finish_step"] < long.stats["finish_step"]
     assert short.stats["finish_step"] <= queued.stats["admit_step"] < long.stats["finish_step"]
@@ -292,13 +319,13 @@ async def test_concurrent_generate_calls_share_the_running_batch(tiny_a: Path) -
 
 @pytest.mark.asyncio
 async def test_seeded_requests_reproduce_across_runs_engines_and_batch_mates(tiny_a: Path) -> None:
-    """Same seed gives the same completion, alone or batched; different seeds differ."""
+    """Same seed gives the same completion, alone or batched, with either KV layout; different seeds differ."""
     requests = make_requests(4, max_new_tokens=30, seed=123)
     others = make_requests(5, prompt_len=9, max_new_tokens=17)
     async with LocalEngine(tiny_a, max_batch_size=8, seed=1) as engine:
         first = await engine.generate(requests)
         second = await engine.generate(others[:2] + requests + others[2:])
-    async with LocalEngine(tiny_a, max_batch_size=2, seed=2) as engine:
+    async with LocalEngine(tiny_a, max_batch_size=2, seed=2, kv_cache="slots") as engine:
         third = await engine.generate(requests)
         reseeded = await engine.generate(make_requests(4, max_new_tokens=30, seed=124))
     tokens = [r.token_ids for r in first]
@@ -434,9 +461,9 @@ async def test_aclose_fails_pending_requests_instead_of_hanging(tiny_a: Path) ->
 
 
 @pytest.mark.asyncio
-async def test_cancelled_call_leaves_the_batch_and_others_finish(tiny_a: Path) -> None:
+async def test_cancelled_call_leaves_the_batch_and_others_finish(tiny_a: Path, kv_cache: str) -> None:
     """A cancelled generate() stops decoding its requests; the engine keeps serving other calls."""
-    async with LocalEngine(tiny_a, max_batch_size=2) as engine:
+    async with LocalEngine(tiny_a, max_batch_size=2, kv_cache=kv_cache) as engine:
         with anyio.move_on_after(0.05):
             await engine.generate(make_requests(2, max_new_tokens=250))
         with anyio.fail_after(30):
