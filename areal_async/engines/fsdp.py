@@ -125,16 +125,25 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 def _token_logprobs(
     hidden_NH: torch.Tensor, targets_N: torch.Tensor, head: nn.Module, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 logprob of each target and the entropy (no grad; zeros unless `with_entropy`) of each row."""
+    """float32 logprob of each target and the entropy (no grad; zeros unless `with_entropy`) of each row.
+
+    logprob = logit[target] - logsumexp(logits): no [rows, vocab] log-softmax output is kept for
+    backward, only the float32 logits (and under torch.compile the reductions fuse).
+    """
     logits = head(hidden_NH).float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
+    lse_N = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - lse_N
     if not with_entropy:
         return logprobs, torch.zeros_like(logprobs)
-    with torch.no_grad():  # row blocks: no second [rows, vocab] float32 temporary
-        entropy = torch.cat([-(block.exp() * block).sum(-1) for block in logp_all.split(_ENTROPY_ROWS)])
+    with torch.no_grad():  # H = lse - sum(p * logit), in row blocks: no second [rows, vocab] temporary
+        entropy = torch.cat(
+            [
+                lse - (torch.softmax(block, dim=-1) * block).sum(-1)
+                for block, lse in zip(logits.split(_ENTROPY_ROWS), lse_N.split(_ENTROPY_ROWS), strict=True)
+            ]
+        )
     return logprobs, entropy
 
 
@@ -146,6 +155,8 @@ class _TokenLogprobModel(nn.Module):
         self.hf = hf
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
+        self.logprob_fn = _token_logprobs
+        """Swapped for a torch.compile'd version when the engine compiles (fused reductions)."""
 
     def forward(
         self,
@@ -178,9 +189,9 @@ class _TokenLogprobModel(nn.Module):
                 with_entropy,
             )
             if torch.is_grad_enabled() and n > chunk:
-                parts.append(checkpoint(_token_logprobs, *args, use_reentrant=False))
+                parts.append(checkpoint(self.logprob_fn, *args, use_reentrant=False))
             else:
-                parts.append(_token_logprobs(*args))
+                parts.append(self.logprob_fn(*args))
         logprobs_N = torch.cat([p[0] for p in parts])
         entropy_N = torch.cat([p[1] for p in parts])
         base = torch.zeros((b, t - 1), dtype=torch.float32, device=input_ids.device)
@@ -259,6 +270,8 @@ class FSDPTrainEngine:
                 decoder_layers[i] = torch.compile(layer)
         layers = list(decoder_layers)
         self.model = _TokenLogprobModel(hf, temperature=temperature, chunk_tokens=logprob_chunk_tokens)
+        if compile:
+            self.model.logprob_fn = torch.compile(_token_logprobs, dynamic=True)
         if self.distributed:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import FSDPModule, fully_shard
