@@ -620,18 +620,23 @@ class RemoteEngine(InferenceEngine):
     # ------------------------------------------------------------- server health
 
     async def _start_server(self, server: Server) -> None:
+        """Describe the server, then load the weights this engine serves: a server used by an
+        earlier run (or left paused by a crashed engine) may hold other weights."""
         try:
             await self._describe(server)
-            await self._resume(server)  # a server a crashed engine left paused must generate again
         except ServerUnavailable as exc:
             server.last_error = str(exc)
             return
         except httpx.HTTPError as exc:
             server.last_error = f"{type(exc).__name__}: {exc}"
             return
+        path = self._weights_path or server.initial_path
+        if path is None:
+            server.last_error = "its initial checkpoint is unknown; cannot tell which weights it serves"
+            return
         server.alive = True
-        server.version = self._version
         server.last_error = ""
+        await self._sync_server(server, path, self._version)
 
     def _mark_failed(self, server: Server, exc: BaseException) -> None:
         server.failures += 1

@@ -212,9 +212,13 @@ class VLLMEngine(RemoteEngine):
             await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
 
     async def aclose(self) -> None:
-        await super().aclose()
-        for path in list(self._shadows):  # the servers hold the weights in memory; files are not needed
-            await self._weights_released(path)
+        try:
+            await super().aclose()
+        finally:
+            # Workers close engines while being cancelled: shield the clean-up of the head copies.
+            with anyio.CancelScope(shield=True):
+                for path in list(self._shadows):  # servers hold the weights in memory; files not needed
+                    await self._weights_released(path)
 
 
 def _model_config(info: Any) -> dict[str, Any]:

@@ -190,7 +190,7 @@ async def test_weight_load_mid_generation_stamps_every_token_with_its_weights(
                 assert engine.version == 1 and seconds > 0
             [after] = await engine.generate(probe)
             health = await engine.health()
-        assert fake.weight_version == "1" and fake.updates == 1
+        assert fake.weight_version == "1" and fake.updates == 2  # start-up sync to version 0, then the load
     results = box[0]
     assert [r.request_id for r in results] == [r.request_id for r in requests]
     switched = 0
