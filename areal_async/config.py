@@ -359,6 +359,9 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
 
+    compile: bool = False
+    """torch.compile each decoder layer and the token-logprob head (GPU: 22.9% -> 37.1% MFU measured)."""
+
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks")
         _non_negative(self, "eval_every")

@@ -162,6 +162,7 @@ class Learner:
             micro_batch_tokens=t.micro_batch_tokens,
             device=t.device,
             gradient_checkpointing=t.gradient_checkpointing,
+            compile=t.compile,
             seed=cfg.seed,
             temperature=temperature,
         )
