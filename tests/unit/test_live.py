@@ -1,0 +1,35 @@
+"""The live display of `areal-async run` renders from what the workers write into the run dir."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from workers.live import render, role_health
+
+
+def test_live_display_shows_step_eval_and_role_health(tmp_path: Path) -> None:
+    """Step metrics, the latest eval and each role's last status appear in the rendered tables."""
+    (tmp_path / "logs").mkdir()
+    step = {
+        "policy_version": 7,
+        "reward_mean": 0.4375,
+        "staleness_max": 2,
+        "staleness_mean": 1.5,
+        "step_s": 3.0,
+    }
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(step) + "\n")
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"policy_version": 5, "eval/accuracy": 0.625}) + "\n")
+    (tmp_path / "logs" / "trainer-h-1.jsonl").write_text(
+        json.dumps({"event": "status", "status": "waiting", "detail": "2/4 groups"}) + "\n"
+    )
+    assert role_health(tmp_path, "trainer")[:2] == ("waiting", "2/4 groups")
+    assert role_health(tmp_path, "reward")[0] == "starting"
+    console = Console(record=True, width=200)
+    console.print(render(tmp_path, ["trainer", "reward"], lambda role: (role == "trainer", 1), time.time()))
+    text = console.export_text()
+    for expected in ("0.438", "0.625 @v5", "2 / 1.50", "waiting", "2/4 groups", "starting", "down"):
+        assert expected in text, expected
