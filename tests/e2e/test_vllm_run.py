@@ -55,7 +55,7 @@ from bus.events import (
     unpack_i32,
 )
 from tests.e2e.jobs import committed_steps, finish_job, read_steps, start_job, tiny_config
-from tests.e2e.vllm_server import reload_start_weights, vllm_server
+from tests.vllm_server import reload_start_weights, vllm_server
 
 TOTAL_STEPS, BATCH, GROUP, MAX_NEW_TOKENS = 4, 2, 4, 16
 OWN_MEAN_ATOL = 0.2

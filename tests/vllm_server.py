@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("AREAL_VLLM_VENV", ROOT / ".cache" / "vllm-venv"))
 STARTUP_S = 600.0
 
