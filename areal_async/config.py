@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import re
 import types
 import typing
@@ -647,7 +646,3 @@ def write_resolved_config(cfg: RunConfig, role: str) -> Path:
     tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     tmp.replace(target)
     return target
-
-
-def config_json(cfg: RunConfig) -> str:
-    return json.dumps(config_to_dict(cfg), sort_keys=True)

@@ -50,8 +50,6 @@ class SchedulerState:
     trained: int = 0
     served_version: int = 0
     trainer_step: int = 0
-    next_epoch: int = 0
-    next_offset: int = 0
     total_issued: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     retry: deque[list[Any]] = field(default_factory=deque)
@@ -80,11 +78,10 @@ class SchedulerState:
         self.total_issued += 1
         return Issue(task_id, epoch, index, attempt)
 
-    def take_new(self, epoch: int, index: int, next_epoch: int, next_offset: int) -> Issue:
-        """Count a fresh dataset row as issued; the cursor position moves to (next_epoch, next_offset)."""
+    def take_new(self, epoch: int, index: int) -> Issue:
+        """Count a fresh dataset row as issued (the dataset cursor keeps the position)."""
         self.issued += 1
         self.total_issued += 1
-        self.next_epoch, self.next_offset = next_epoch, next_offset
         return Issue(f"e{epoch}-i{index}", epoch, index, 0)
 
     # ---- events ----------------------------------------------------------------------
@@ -130,8 +127,6 @@ class SchedulerState:
             "trained": self.trained,
             "served_version": self.served_version,
             "trainer_step": self.trainer_step,
-            "next_epoch": self.next_epoch,
-            "next_offset": self.next_offset,
             "total_issued": self.total_issued,
             "failures": dict(self.failures),
             "retry": [list(r) for r in self.retry],
@@ -145,7 +140,7 @@ class SchedulerState:
     ) -> SchedulerState:
         """Restore saved state; admission parameters come from the current config."""
         state = cls(eta=eta, batch_size=batch_size, max_inflight=max_inflight)
-        for key in ("issued", "trained", "served_version", "trainer_step", "next_epoch", "next_offset"):
+        for key in ("issued", "trained", "served_version", "trainer_step"):
             setattr(state, key, int(data.get(key, 0)))
         state.total_issued = int(data.get("total_issued", 0))
         state.failures = dict(data.get("failures", {}))

@@ -160,7 +160,7 @@ class Controller:
                 break
             else:
                 epoch, index, row = self.cursor.next()
-                issue = self.state.take_new(epoch, index, *self.cursor.position)
+                issue = self.state.take_new(epoch, index)
             await self.publish_task(issue, row)
             await self.save()
             issued_now += 1

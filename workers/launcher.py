@@ -242,9 +242,6 @@ def _prepare_model(cfg: RunConfig) -> Path | None:
 
 
 def _finish(cfg: RunConfig, wall_s: float) -> None:
-    try:
-        from workers.report import write_report
+    from workers.report import write_report
 
-        write_report(cfg.run_dir, wall_s=wall_s)
-    except FileNotFoundError:
-        pass
+    write_report(cfg.run_dir, wall_s=wall_s)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -283,7 +284,7 @@ class Trainer:
         self, version: int, path: Any, manifest: list[dict[str, Any]], seconds: float
     ) -> None:
         entries = [TensorEntry(**m) for m in manifest]
-        total = sum(_numel(m["shape"]) * _dtype_bytes(m["dtype"]) for m in manifest)
+        total = (Path(path) / "model.safetensors").stat().st_size
         await self.bus.publish(
             self.bus.subjects.weights_published,
             WeightsPublished(
@@ -322,17 +323,6 @@ class Trainer:
             seconds=round(time.monotonic() - t0, 2),
             trained=len(trained),
         )
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}.get(dtype, 4)
 
 
 def _tensorboard(cfg: RunConfig) -> Any:

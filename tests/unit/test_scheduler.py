@@ -13,7 +13,7 @@ def _issue_all(state: SchedulerState) -> list[str]:
     ids = []
     index = len(state.step_tasks) * 100 + state.total_issued
     while state.can_issue():
-        issue = state.take_retry() or state.take_new(0, index, 0, index + 1)
+        issue = state.take_retry() or state.take_new(0, index)
         ids.append(issue.task_id)
         index += 1
     return ids
