@@ -163,12 +163,28 @@ def run_role(
     )
     write_resolved_config(cfg, role)
     try:
-        return anyio.run(_main, cfg, role, worker_id, serve, backend="asyncio")
+        code = anyio.run(_main, cfg, role, worker_id, serve, backend="asyncio")
     except BusConnectError as exc:
         log.error("bus unavailable", error=str(exc))
-        return 1
+        code = 1
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    _exit_on_stop_signal(code)
+    return code
+
+
+def _exit_on_stop_signal(code: int) -> None:
+    """The worker has stopped; a SIGTERM/SIGINT during interpreter teardown ends it with ``code``.
+
+    Teardown (torch, thread pools) can take seconds; without this a stop request arriving then would
+    kill the process by the default action and report -15 for a worker that stopped cleanly.
+    """
+
+    def _exit(_signum: int, _frame: object) -> None:
+        os._exit(code)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit)
 
 
 async def _main(

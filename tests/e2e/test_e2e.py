@@ -219,7 +219,7 @@ def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_m
 
     from tests.e2e.jobs import REPO
 
-    total, batch = 10, 4
+    total, batch = 16, 4
     cfg = tiny_config(
         tmp_path,
         tiny_model,

@@ -48,3 +48,20 @@ def test_unknown_role_is_a_usage_error() -> None:
     out = _run("from workers import cli; cli.worker_main(['--role','critic','--config','x.yaml'])")
     assert out.returncode == 2
     assert "invalid choice: 'critic'" in out.stderr
+
+
+def test_stop_signal_during_teardown_keeps_the_workers_exit_code() -> None:
+    """After a worker stopped, a SIGTERM while the interpreter tears down exits with the worker's code."""
+    import signal
+
+    script = (
+        "import sys, time\n"
+        "from workers.runtime import _exit_on_stop_signal\n"
+        "_exit_on_stop_signal(3)\n"
+        "print('armed', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "armed"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 3
