@@ -79,6 +79,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--repeats", type=int, default=1, help="alternate engine/generate runs this often; keep the fastest"
     )
+    parser.add_argument(
+        "--prefill-min-rows", type=int, default=None, help="engine prefill_min_rows (default: B // 16)"
+    )
+    parser.add_argument(
+        "--phases", action="store_true", help="time the engine's step phases (adds device syncs)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write rows as JSON here")
     return parser.parse_args()
@@ -134,21 +140,63 @@ async def bench_engine(
     options: dict[str, Any],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    engine = LocalEngine(model, device=args.device, max_batch_size=batch, seed=args.seed, **options)
+    engine = LocalEngine(
+        model,
+        device=args.device,
+        max_batch_size=batch,
+        seed=args.seed,
+        prefill_min_rows=min(args.prefill_min_rows, batch) if args.prefill_min_rows else None,
+        **options,
+    )
     async with engine:
         await engine.generate(warmup)
         if options.get("cuda_graphs"):  # capture the graphs for every batch/span bucket before timing
             await engine.generate(requests[:batch])
-        steps_before = engine.steps
+        phases = PhaseTimer(engine, args.device) if args.phases else None
+        steps_before, prefills_before = engine.steps, engine.prefill_forwards
         synchronize(args.device)
         started = time.perf_counter()
         results = await engine.generate(requests)
         synchronize(args.device)
         seconds = time.perf_counter() - started
         steps = engine.steps - steps_before
+        prefills = engine.prefill_forwards - prefills_before
     tokens = sum(len(r.token_ids) for r in results)
     assert tokens == sum(r.sampling.max_new_tokens for r in requests)
-    return {"tokens": tokens, "seconds": seconds, "decode_steps": steps}
+    row = {"tokens": tokens, "seconds": seconds, "decode_steps": steps, "prefill_forwards": prefills}
+    if phases is not None:
+        row["phases_s"] = phases.totals()
+    return row
+
+
+class PhaseTimer:
+    """Wrap the engine's step phases with device-synchronised timers (adds a sync per phase)."""
+
+    PHASES = {"step": ("_step",), "prefill": ("_prefill",), "sample": ("_sample",)}
+    KV_PHASES = {"decode_forward": "decode", "kv_retain": "retain", "kv_admit": "admit"}
+
+    def __init__(self, engine: LocalEngine, device: str) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        for phase, (name,) in self.PHASES.items():
+            setattr(engine, name, self._wrap(phase, getattr(engine, name)))
+        for phase, name in self.KV_PHASES.items():
+            setattr(engine._kv, name, self._wrap(phase, getattr(engine._kv, name)))
+
+    def _wrap(self, phase: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            synchronize(self.device)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                synchronize(self.device)
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    def totals(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in self.seconds.items()}
 
 
 def bench_generate(
@@ -269,6 +317,8 @@ def main() -> None:
             f"{row['mode']:<17} {row['batch']:>5} {row['requests']:>5} {row['tokens']:>7} "
             f"{row['seconds']:>8.2f} {row['tok_s']:>9.1f} {speedup:>10.2f}x"
         )
+        if "phases_s" in row:
+            print(f"{'':<17} prefill forwards {row['prefill_forwards']}  phases (s): {row['phases_s']}")
     if args.out:
         args.out.write_text(
             json.dumps(

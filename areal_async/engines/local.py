@@ -2,8 +2,10 @@
 
 Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
 
-- Continuous batching: up to `max_batch_size` sequences decode together. When one finishes, its slot
-  goes to the next waiting request at the next step; the batch never waits for its longest member.
+- Continuous batching: up to `max_batch_size` sequences decode together. When slots free up they go to
+  the next waiting requests; the batch never waits for its longest member. A prefill runs once
+  `prefill_min_rows` slots are free (default max_batch_size // 16, at least 1), or every waiting request
+  fits, or nothing is decoding: a separate prefill forward per freed slot costs more than the slot.
   Concurrent `generate()` calls feed the same queue (FIFO).
 - Prefill: joining requests are prefilled together (left-padded, in chunks of at most
   `max_prefill_tokens` padded tokens) in their own forward, then their KV rows join the batch.
@@ -483,6 +485,7 @@ class LocalEngine(InferenceEngine):
         max_prefill_tokens: int = 8192,
         kv_cache: Literal["dynamic", "slots"] = "slots",
         cuda_graphs: bool = False,
+        prefill_min_rows: int | None = None,
     ) -> None:
         if kv_cache not in ("dynamic", "slots"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'slots', got {kv_cache!r}")
@@ -492,6 +495,10 @@ class LocalEngine(InferenceEngine):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if prefill_min_rows is not None and not 1 <= prefill_min_rows <= max_batch_size:
+            raise ValueError(
+                f"prefill_min_rows must be in [1, max_batch_size={max_batch_size}], got {prefill_min_rows}"
+            )
         self.device = torch.device(device)
         if isinstance(model_path_or_model, PreTrainedModel):
             self.model = model_path_or_model.to(self.device).eval()
@@ -505,6 +512,9 @@ class LocalEngine(InferenceEngine):
         self.engine_id = engine_id or f"local-{uuid.uuid4().hex[:8]}"
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_min_rows = prefill_min_rows or max(1, max_batch_size // 16)
+        """A prefill waits until this many slots are free (or every waiting request fits, or no row is
+        decoding): one prefill forward per freed slot would cost more than the slots it refills."""
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
         self._params = self._parameter_names()
@@ -754,7 +764,9 @@ class LocalEngine(InferenceEngine):
         finished: list[_Sequence] = []
         keep = [i for i, s in enumerate(self._rows) if s.alive]
         joiners = self._joiners
-        while self._waiting and len(keep) + len(joiners) < self.max_batch_size:
+        free = self.max_batch_size - len(keep)
+        admit = not keep or free >= min(self.prefill_min_rows, len(self._waiting))
+        while admit and self._waiting and len(keep) + len(joiners) < self.max_batch_size:
             sequence = self._waiting.popleft()
             if sequence.alive:
                 joiners.append(sequence)

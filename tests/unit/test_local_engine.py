@@ -297,6 +297,29 @@ async def test_short_request_frees_its_slot_for_a_queued_one_before_the_longest_
 
 
 @pytest.mark.asyncio
+async def test_prefill_waits_for_prefill_min_rows_free_slots(tiny_a: Path, kv_cache: str) -> None:
+    """With 4 slots and prefill_min_rows=2, freed slots are refilled in pairs, not one by one; the
+    last waiting request is admitted alone (everything waiting fits). Nothing is lost either way."""
+    lengths = (4, 8, 12, 16)
+    by_min: dict[int, list[GenerationResult]] = {}
+    forwards: dict[int, int] = {}
+    for min_rows in (1, 2):
+        async with LocalEngine(
+            tiny_a, max_batch_size=4, kv_cache=kv_cache, prefill_min_rows=min_rows
+        ) as engine:
+            by_min[min_rows] = await engine.generate(make_requests(9, lengths=lengths))
+            forwards[min_rows] = engine.prefill_forwards
+    # min 1: r4 joins when r0 ends (step 4), r5 when r1 ends (8), ... one prefill per freed slot
+    # min 2: r4 and r5 join together once r0 and r1 have ended
+    admits = {m: [int(r.stats["admit_step"]) for r in results] for m, results in by_min.items()}
+    assert admits[1][4] < admits[1][5]
+    assert admits[2][4] == admits[2][5] >= admits[1][5]
+    assert forwards[2] < forwards[1]
+    for results in by_min.values():
+        assert [len(r.token_ids) for r in results] == [lengths[i % 4] for i in range(9)]
+
+
+@pytest.mark.asyncio
 async def test_concurrent_generate_calls_share_the_running_batch(tiny_a: Path) -> None:
     """A second generate() call joins the batch while the first call's request is still decoding."""
     first = make_requests(1, max_new_tokens=80)
@@ -517,3 +540,5 @@ def test_engine_options_are_validated(tiny_a: Path) -> None:
         LocalEngine(tiny_a, kv_cache="slots", cuda_graphs=True)
     with pytest.raises(ValueError, match="max_batch_size"):
         LocalEngine(tiny_a, max_batch_size=0)
+    with pytest.raises(ValueError, match="prefill_min_rows must be in"):
+        LocalEngine(tiny_a, max_batch_size=4, prefill_min_rows=5)
