@@ -331,8 +331,10 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096
     """Token budget of one micro-batch (padded tokens)."""
 
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """``bfloat16`` = autocast with fp32 master weights."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """``bfloat16`` = autocast with fp32 master weights; ``auto`` = bfloat16 where it runs natively
+    (CUDA, CPUs with AVX-512 BF16 or AMX), float32 elsewhere (on AVX2-only CPUs bf16 is emulated,
+    ~40x slower)."""
 
     device: str = "cpu"
     """``cpu`` (gloo) or ``cuda`` (NCCL)."""

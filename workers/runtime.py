@@ -32,7 +32,15 @@ import structlog
 
 from areal_async.config import BusConfig, RunConfig, write_resolved_config
 from areal_async.logs import configure_logging
-from bus.client import Bus, BusConnectError, BusPermissionError, ConnectOptions, connect
+from bus.client import (
+    Bus,
+    BusConnectError,
+    BusPermissionError,
+    ConnectOptions,
+    ProvisionError,
+    StreamUnavailable,
+    connect,
+)
 from bus.events import Heartbeat, RunEnded, encode
 
 log = structlog.get_logger()
@@ -166,6 +174,9 @@ def run_role(
         code = anyio.run(_main, cfg, role, worker_id, serve, backend="asyncio")
     except BusConnectError as exc:
         log.error("bus unavailable", error=str(exc))
+        code = 1
+    except (ProvisionError, StreamUnavailable) as exc:
+        log.error("bus provisioning failed", error=str(exc))
         code = 1
     except KeyboardInterrupt:
         code = 130

@@ -32,6 +32,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +164,13 @@ def cluster_configs(dest: Path, route_ports: Sequence[int]) -> list[Path]:
         (node / "cluster.conf").write_text(cluster)
         mains.append(node / f"nats-{k}.conf")
     return mains
+
+
+def monitor(server: EmbeddedServer, path: str) -> dict[str, object]:
+    """GET a JSON page of the server's monitoring port (``/varz``, ``/jsz``)."""
+    assert server.monitor_url is not None
+    with urllib.request.urlopen(server.monitor_url + path, timeout=5) as response:
+        return json.load(response)
 
 
 async def start_together(servers: Sequence[EmbeddedServer]) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from bus import events as ev
 from tests.integration.ops_helpers import (
     cluster_configs,
     free_port,
+    monitor,
     password_env,
     role_passwords,
     start_together,
@@ -37,13 +37,6 @@ T = TypeVar("T")
 
 NUM_TASKS = 300
 KILL_AFTER = NUM_TASKS // 3
-
-
-def monitor(server: EmbeddedServer, path: str) -> dict[str, object]:
-    """GET a JSON page of the server's monitoring port (``/varz``, ``/jsz``)."""
-    assert server.monitor_url is not None
-    with urllib.request.urlopen(server.monitor_url + path, timeout=5) as response:
-        return json.load(response)
 
 
 def task(index: int) -> ev.PromptTask:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,12 +87,48 @@ def test_gsm8k_line_missing_question_names_the_field(tmp_path: Path) -> None:
         load_dataset("gsm8k", path=path, seed=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
-def test_gsm8k_hub_layout_folder_without_datasets_library_says_what_to_install(tmp_path: Path) -> None:
+def test_gsm8k_hub_layout_folder_without_datasets_library_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A folder that only the ``datasets`` library can read asks for it (or for the jsonl files)."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     (tmp_path / "main").mkdir()
     with pytest.raises(DatasetError, match="needs the 'datasets' package"):
         load_dataset("gsm8k", path=tmp_path, seed=0)
+
+
+def _released_records(split: str) -> list[dict[str, str]]:
+    return [json.loads(line) for line in (GSM8K / f"{split}.jsonl").read_text().splitlines() if line]
+
+
+def test_gsm8k_from_a_datasets_save_to_disk_folder_matches_the_jsonl_rows(tmp_path: Path) -> None:
+    """A DatasetDict saved with ``save_to_disk`` (train/test) gives the same rows as the released
+    files, per split; ``eval`` finds ``test``; a single saved Dataset is its own split."""
+    datasets = pytest.importorskip("datasets")
+    splits = {name: datasets.Dataset.from_list(_released_records(name)) for name in ("train", "test")}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dict"))
+    for split, released in (("train", "train"), ("eval", "test")):
+        expected = load_dataset("gsm8k", path=GSM8K, split=released, seed=0)
+        assert load_dataset("gsm8k", path=tmp_path / "dict", split=split, seed=0) == expected
+    splits["test"].save_to_disk(str(tmp_path / "single"))
+    single = load_dataset("gsm8k", path=tmp_path / "single", split="train", seed=0)
+    assert single == load_dataset("gsm8k", path=GSM8K, split="test", seed=0)
+
+
+def test_gsm8k_from_a_local_copy_of_the_hub_repo_reads_its_parquet_files(tmp_path: Path) -> None:
+    """The hub repo openai/gsm8k keeps ``main/{train,test}-00000-of-00001.parquet``; a local copy of
+    that layout loads through ``datasets`` without any download, and a missing split is named."""
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "main").mkdir()
+    for split in ("train", "test"):
+        table = datasets.Dataset.from_list(_released_records(split))
+        table.to_parquet(str(tmp_path / "main" / f"{split}-00000-of-00001.parquet"))
+    for split in ("train", "test"):
+        rows = load_dataset("gsm8k", path=tmp_path, split=split, seed=0)
+        assert rows == load_dataset("gsm8k", path=GSM8K, split=split, seed=0)
+        assert all(row["answer"] and GSM8K_INSTRUCTION in row["prompt"] for row in rows)
+    with pytest.raises(DatasetError, match=r"no split 'holdout' \(has \['test', 'train'\]\)"):
+        load_dataset("gsm8k", path=tmp_path, split="holdout", seed=0)
 
 
 def test_gsm8k_without_a_path_says_what_to_pass() -> None:
