@@ -117,9 +117,14 @@ ERR_CLUSTER_NOT_AVAILABLE = 10008  # 503 "JetStream system temporarily unavailab
 PERMISSION_DENIED = re.compile(r'permissions violation for (\w+) to "([^"]*)"', re.IGNORECASE)
 """The server's ``-ERR`` for a refused publish or subscription (nats-py lowercases it)."""
 
-LEADERLESS = (TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError)
-"""What a JetStream API request gets while its stream or consumer has no leader (nats-py's
-TimeoutError subclasses the builtin one)."""
+LEADERLESS = (
+    TimeoutError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+)
+"""What a JetStream API request (or a KV write, a JetStream publish underneath) gets while its
+stream or consumer has no leader (nats-py's TimeoutError subclasses the builtin one)."""
 
 T = TypeVar("T")
 

@@ -9,6 +9,9 @@ Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
   Concurrent `generate()` calls feed the same queue (FIFO).
 - Prefill: joining requests are prefilled together (left-padded, in chunks of at most
   `max_prefill_tokens` padded tokens) in their own forward, then their KV rows join the batch.
+  A prompt shared by several requests (the samples of one group) is computed once and its KV
+  copied to each of them; a request resuming after a weight load then adds its own tokens so far
+  in a second forward on top (`prefill_tokens` counts the tokens computed).
 - KV layouts (`kv_cache`), same guarantees, pick by speed:
   - "slots" (default): preallocated per-slot buffers, one column written in place per decode step,
     finished rows replaced by moving rows from the end; no per-step cache copies. Capacity grows to
@@ -215,6 +218,18 @@ class _BatchKV:
             )
 
 
+def _left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows left-padded to the longest: ids [B, T] (pad 0) and mask [B, T] (1 on tokens)."""
+    length = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, length - len(r) :] = torch.tensor(r)
+            mask[i, length - len(r) :] = 1
+    return ids, mask
+
+
 def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
     """Zero-pad dim -1 (masks) or dim -2 (KV [B, H, L, D]) on the left up to `length`."""
     dim = -1 if tensor.dim() == 2 else -2
@@ -344,9 +359,9 @@ class _SlotKV:
         assert new.cache is not None and new.mask is not None
         count, width = new.mask.shape
         assert self.rows + count <= self.max_rows and width <= self.capacity
-        # left-padded row r starts at column pad_r; shift every row to start at column 0
-        pads = width - new.mask.sum(dim=1)
-        index = (torch.arange(width, device=self.device)[None, :] + pads[:, None]).clamp(max=width - 1)
+        # a row's tokens sit at its mask's 1-columns (padding before them, and between prompt and
+        # tokens after a re-prefill); move them to columns 0.. in order (what follows is never read)
+        index = torch.argsort((new.mask == 0).to(torch.int8), dim=1, stable=True)
         index = index[:, None, :, None].expand(count, self.kv_heads, width, self.head_dim)
         start, stop = self.rows, self.rows + count
         for layer, keys, values in zip(new.cache.layers, self.keys, self.values, strict=True):
@@ -536,6 +551,8 @@ class LocalEngine(InferenceEngine):
         self._last_error = ""
         self.steps = 0
         self.prefill_forwards = 0
+        self.prefill_tokens = 0
+        """Tokens computed by prefill forwards (padding excluded; a shared prompt counts once)."""
         self.tokens_generated = 0
         self._log = log.bind(engine_id=self.engine_id)
 
@@ -807,20 +824,46 @@ class LocalEngine(InferenceEngine):
         return merged, [joiners[i] for chunk in chunks for i in chunk]
 
     def _prefill_chunk(self, sequences: list[_Sequence]) -> _BatchKV:
+        """Prefill `sequences` (prompt + tokens so far) and sample each one's next token.
+
+        Each distinct prompt is computed once (a group's samples share theirs): a forward over the
+        distinct prompts (left-padded), their KV copied to every row that shares the prompt, then,
+        for rows that already hold tokens (re-prefill after a weight load), a second forward over
+        those tokens (left-padded) on top. The row mask then has padding before the prompt and
+        between prompt and tokens; attention and position ids skip it.
+        """
         now = time.perf_counter()
-        length = max(s.length for s in sequences)
-        ids = torch.zeros(len(sequences), length, dtype=torch.long)
-        mask = torch.zeros(len(sequences), length, dtype=torch.long)
-        for row, s in enumerate(sequences):
-            tokens = list(s.request.prompt_ids) + s.token_ids
-            ids[row, length - len(tokens) :] = torch.tensor(tokens)
-            mask[row, length - len(tokens) :] = 1
+        for s in sequences:
             if s.prefills == 0:
                 s.admitted_at, s.admit_step = now, self.steps
             s.prefills += 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        prompts: dict[tuple[int, ...], int] = {}
+        group = [prompts.setdefault(tuple(s.request.prompt_ids), len(prompts)) for s in sequences]
+        ids, mask = _left_padded([list(p) for p in prompts])
         cache = DynamicCache(config=self.model.config)
+        logits = self._forward_prefill(ids, mask, cache)
+        index = torch.tensor(group, device=self.device)
+        if len(prompts) < len(sequences):
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
+        logits, mask = logits.index_select(0, index), mask.to(self.device).index_select(0, index)
+        resumed = [row for row, s in enumerate(sequences) if s.token_ids]
+        if resumed:
+            tail_ids, tail_mask = _left_padded([sequences[row].token_ids for row in range(len(sequences))])
+            mask = torch.cat([mask, tail_mask.to(self.device)], dim=1)
+            tail_logits = self._forward_prefill(tail_ids, mask, cache)
+            rows = torch.tensor(resumed, device=self.device)
+            logits = logits.index_copy(0, rows, tail_logits.index_select(0, rows))
+        self._sample(sequences, logits)
+        return _BatchKV(cache, mask)
+
+    def _forward_prefill(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """Forward `ids` [B, T] on top of `cache` (extended in place); `mask` covers cache + ids.
+
+        Returns the logits of each row's last column [B, V]."""
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -830,8 +873,8 @@ class LocalEngine(InferenceEngine):
             logits_to_keep=1,
         )
         self.prefill_forwards += 1
-        self._sample(sequences, out.logits[:, -1])
-        return _BatchKV(cache, mask)
+        self.prefill_tokens += int(mask[:, -ids.shape[1] :].sum())
+        return out.logits[:, -1]
 
     def _decode(self) -> None:
         rows = self._rows

@@ -62,18 +62,21 @@ def make_requests(
     prompt_len: int = 5,
     vary: int = 3,
     lengths: Sequence[int] = (),
+    group: int = 1,
     **sampling: Any,
 ) -> list[GenerationRequest]:
-    """`count` requests with distinct prompts of length prompt_len + i % vary; max_new_tokens cycles
+    """`count` requests; each run of `group` requests shares a prompt (as a GRPO group does), prompts
+    of different groups differ, of length prompt_len + g % vary for group g; max_new_tokens cycles
     through `lengths` when given (mixed lengths make rows finish mid-batch and slots get reused)."""
     requests = []
     for i in range(count):
         if lengths:
             sampling["max_new_tokens"] = lengths[i % len(lengths)]
+        g = i // group
         requests.append(
             GenerationRequest(
                 request_id=f"r{i}",
-                prompt_ids=[4 + (7 * i + j) % 90 for j in range(prompt_len + i % vary)],
+                prompt_ids=[4 + (7 * g + j) % 90 for j in range(prompt_len + g % vary)],
                 sampling=SamplingParams(**sampling),
             )
         )
@@ -126,12 +129,18 @@ async def wait_for_steps(engine: LocalEngine, steps: int) -> None:
 
 
 async def run_interruption(
-    path_a: Path, path_b: Path, *, device: str = "cpu", location: str = "dir", **engine_kwargs: Any
+    path_a: Path,
+    path_b: Path,
+    *,
+    device: str = "cpu",
+    location: str = "dir",
+    group: int = 1,
+    **engine_kwargs: Any,
 ) -> tuple[list[GenerationResult], torch.nn.Module, torch.nn.Module]:
     """Generate 6 requests (batch 4) with weights A, load B (version 1) mid-decode; return results."""
     model_a = load_causal_lm(path_a, device=device)
     model_b = load_causal_lm(path_b, device=device)
-    requests = make_requests(6, lengths=INTERRUPT_LENGTHS, seed=None)
+    requests = make_requests(6, lengths=INTERRUPT_LENGTHS, seed=None, group=group)
     source = str(path_b) if location == "dir" else {k: v.clone() for k, v in model_b.state_dict().items()}
     async with LocalEngine(path_a, device=device, max_batch_size=4, **engine_kwargs) as engine:
         async with anyio.create_task_group() as tg:
@@ -249,6 +258,32 @@ async def test_weights_loaded_mid_generation_from_state_dict_switch_versions(
         tiny_a, tiny_b, location="state_dict", kv_cache=kv_cache
     )
     check_interruption(results, model_a, model_b)
+
+
+@pytest.mark.asyncio
+async def test_group_sharing_a_prompt_resumes_after_a_weight_load_with_exact_logprobs(
+    tiny_a: Path, tiny_b: Path, kv_cache: str
+) -> None:
+    """Groups of 3 share a prompt: the prompt is prefilled once per group, then after the swap each
+    row re-prefills as shared prompt + its own tokens; log-probs still match A before, B after."""
+    results, model_a, model_b = await run_interruption(tiny_a, tiny_b, group=3, kv_cache=kv_cache)
+    check_interruption(results, model_a, model_b)
+    assert results[0].prompt_ids == results[2].prompt_ids != results[3].prompt_ids
+
+
+@pytest.mark.asyncio
+async def test_a_group_is_prefilled_once_and_sampled_independently(tiny_a: Path, kv_cache: str) -> None:
+    """8 samples of one prompt: its tokens are computed once; completions differ; log-probs exact."""
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
+    requests = make_requests(8, group=8, max_new_tokens=12, temperature=1.0)
+    async with LocalEngine(tiny_a, max_batch_size=8, kv_cache=kv_cache) as engine:
+        results = await engine.generate(requests)
+        assert engine.prefill_forwards == 1
+        assert engine.prefill_tokens == len(requests[0].prompt_ids)
+    assert len({tuple(r.token_ids) for r in results}) > 1, "every row drew the same tokens"
+    model = load_causal_lm(tiny_a)
+    for result in results:
+        assert_logprobs_match(model, sampling, result, range(12))
 
 
 @pytest.mark.asyncio
