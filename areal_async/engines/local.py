@@ -583,7 +583,11 @@ class LocalEngine(InferenceEngine):
             self._closing = True
             self._cond.notify_all()
         if thread is not None and thread.is_alive():
-            await anyio.to_thread.run_sync(thread.join)
+            # Shielded: a cancelled caller (a worker stopping on SIGTERM) must still wait for the
+            # decode thread to leave its step; a torch op running during interpreter teardown aborts
+            # the process (SIGABRT). The thread stops at its next step boundary.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(thread.join)
         if self._status != "closed":
             self._status = "closed"
             self._log.info("engine closed", steps=self.steps, tokens_generated=self.tokens_generated)

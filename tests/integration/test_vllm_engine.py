@@ -120,17 +120,25 @@ def oracle_logprobs(
 def logprob_errors(
     oracles: dict[int, torch.nn.Module], result: GenerationResult, sampling: SamplingParams, *, version: int
 ) -> torch.Tensor:
-    """|engine - oracle(version)| for the tokens of `result` stamped with `version`."""
+    """|engine - oracle(version)| for the tokens of `result` stamped with `version`; inf where the
+    oracle's top-k/top-p set excludes the sampled token (a boundary token, see assert_close_enough)."""
     index = torch.tensor([i for i, v in enumerate(result.versions) if v == version], dtype=torch.long)
     want = oracle_logprobs(oracles[version], result, sampling)
     return (torch.tensor(result.logprobs)[index] - want[index]).abs()
 
 
 def assert_close_enough(errors: torch.Tensor) -> None:
-    """bf16 server vs fp32 oracle: small on average, rarely large (low-probability tokens)."""
+    """Server vs fp32 oracle: small on average, rarely large (low-probability tokens).
+
+    A token the server sampled from its top-k/top-p set can fall just outside the oracle's set when
+    the two disagree in the last bits at the boundary (bf16 on the server); those tokens (inf error)
+    may be at most 3% of the tokens and are left out of the statistics."""
     assert errors.numel() > 0
+    boundary = ~torch.isfinite(errors)
+    assert int(boundary.sum()) <= 0.03 * errors.numel(), f"{int(boundary.sum())} of {errors.numel()} outside"
+    errors = errors[~boundary]
     stats = f"mean {float(errors.mean()):.4f}, p95 {float(errors.quantile(0.95)):.3f}, max {float(errors.max()):.3f}"
-    print(f"log-prob |error| over {errors.numel()} tokens: {stats}")
+    print(f"log-prob |error| over {errors.numel()} tokens ({int(boundary.sum())} at the boundary): {stats}")
     assert float(errors.mean()) < LOGPROB_MEAN_ATOL, stats
     assert float(errors.quantile(0.95)) < LOGPROB_P95_ATOL, stats
     assert float(errors.max()) < LOGPROB_MAX_ATOL, stats
