@@ -1296,13 +1296,15 @@ class Bus:
             self._kv[name] = kv
         return kv
 
+    async def _kv_call(self, bucket: str, call: Callable[[KeyValue], Awaitable[T]]) -> T:
+        """``call(kv)`` on the bucket's handle, riding out a leader election (``_while_leaderless``)."""
+        kv = await self._bucket(bucket)
+        return await self._while_leaderless(f"KV bucket {self.subjects.bucket(bucket)}", lambda: call(kv))
+
     async def kv_get(self, bucket: str, key: str) -> KvEntry | None:
         """The current entry of ``key``; None if absent, deleted or expired."""
-        kv = await self._bucket(bucket)
         try:
-            entry = await self._while_leaderless(
-                f"KV bucket {self.subjects.bucket(bucket)}", lambda: kv.get(key)
-            )
+            entry = await self._kv_call(bucket, lambda kv: kv.get(key))
         except nats.js.errors.KeyNotFoundError:
             return None
         if entry.value is None or entry.operation in ("DEL", "PURGE"):
@@ -1315,11 +1317,8 @@ class Bus:
     async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
         """Write ``value``; returns the new revision. KV writes raise BusPermissionError at once
         when the server refuses them."""
-        kv = await self._bucket(bucket)
         with self._refused_raises(self._kv_subject(bucket, key)):
-            revision = await self._while_leaderless(
-                f"KV bucket {self.subjects.bucket(bucket)}", lambda: kv.put(key, value)
-            )
+            revision = await self._kv_call(bucket, lambda kv: kv.put(key, value))
         return revision
 
     async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
@@ -1343,15 +1342,13 @@ class Bus:
         return revision
 
     async def kv_delete(self, bucket: str, key: str) -> None:
-        kv = await self._bucket(bucket)
         with self._refused_raises(self._kv_subject(bucket, key)):
-            await self._while_leaderless(f"KV bucket {self.subjects.bucket(bucket)}", lambda: kv.delete(key))
+            await self._kv_call(bucket, lambda kv: kv.delete(key))
 
     async def kv_keys(self, bucket: str) -> list[str]:
         """Keys that currently have a value (deleted and expired keys excluded), sorted."""
         try:
-            kv = await self._bucket(bucket)
-            keys = await self._while_leaderless(f"KV bucket {self.subjects.bucket(bucket)}", kv.keys)
+            keys = await self._kv_call(bucket, lambda kv: kv.keys())
         except nats.js.errors.NoKeysError:
             return []
         return sorted(keys)

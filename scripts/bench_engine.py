@@ -172,16 +172,15 @@ async def bench_engine(
 class PhaseTimer:
     """Wrap the engine's step phases with device-synchronised timers (adds a sync per phase)."""
 
-    PHASES = {"step": ("_step",), "prefill": ("_prefill",), "sample": ("_sample",)}
+    PHASES = {"step": "_step", "prefill": "_prefill", "sample": "_sample"}
     KV_PHASES = {"decode_forward": "decode", "kv_retain": "retain", "kv_admit": "admit"}
 
     def __init__(self, engine: LocalEngine, device: str) -> None:
         self.device = device
         self.seconds: dict[str, float] = {}
-        for phase, (name,) in self.PHASES.items():
-            setattr(engine, name, self._wrap(phase, getattr(engine, name)))
-        for phase, name in self.KV_PHASES.items():
-            setattr(engine._kv, name, self._wrap(phase, getattr(engine._kv, name)))
+        for target, phases in ((engine, self.PHASES), (engine._kv, self.KV_PHASES)):
+            for phase, name in phases.items():
+                setattr(target, name, self._wrap(phase, getattr(target, name)))
 
     def _wrap(self, phase: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:

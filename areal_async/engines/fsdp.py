@@ -114,10 +114,12 @@ def fast_bf16(device: torch.device) -> bool:
 
 def resolve_train_dtype(dtype: str, device: torch.device) -> str:
     """``auto`` -> bfloat16 where it is fast, float32 elsewhere; a slow explicit bfloat16 warns."""
+    if dtype == "float32":
+        return dtype
     fast = fast_bf16(device)
     if dtype == "auto":
         return "bfloat16" if fast else "float32"
-    if dtype == "bfloat16" and not fast:
+    if not fast:
         log.warning(
             "bfloat16 autocast is emulated on this device and far slower than float32",
             device=str(device),

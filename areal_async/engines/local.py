@@ -854,7 +854,7 @@ class LocalEngine(InferenceEngine):
         logits, mask = logits.index_select(0, index), mask.to(self.device).index_select(0, index)
         resumed = [row for row, s in enumerate(sequences) if s.token_ids]
         if resumed:
-            tail_ids, tail_mask = _left_padded([sequences[row].token_ids for row in range(len(sequences))])
+            tail_ids, tail_mask = _left_padded([s.token_ids for s in sequences])
             mask = torch.cat([mask, tail_mask.to(self.device)], dim=1)
             tail_logits = self._forward_prefill(tail_ids, mask, cache)
             rows = torch.tensor(resumed, device=self.device)

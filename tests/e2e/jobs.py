@@ -117,6 +117,12 @@ def run_job(config: Path, *overrides: str, timeout: float = 600) -> JobResult:
     return finish_job(start_job(config, *overrides), run_dir, started, timeout)
 
 
+def steps_done(run_dir: Path) -> int:
+    """Training steps the trainer has logged so far (lines of ``metrics.jsonl``)."""
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
 def read_steps(run_dir: Path, run_name: str) -> list[TrainerStep]:
     """Every trainer.step event stored in the run's JetStream store, in publish order."""
 

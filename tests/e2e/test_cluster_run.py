@@ -28,7 +28,7 @@ import pytest
 
 from bus import ConnectOptions, EmbeddedServer, connect
 from bus.events import TrainerStep, decode
-from tests.e2e.jobs import REPO, committed_steps, tiny_config
+from tests.e2e.jobs import REPO, committed_steps, steps_done, tiny_config
 from tests.integration.ops_helpers import (
     cluster_configs,
     free_port,
@@ -39,11 +39,6 @@ from tests.integration.ops_helpers import (
 )
 
 ROLE_NODE = {"controller": 0, "trainer": 0, "generation": 1, "weight-sync": 1, "reward": 2}
-
-
-def _steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
 def _meta_leader_name(servers: list[EmbeddedServer]) -> str | None:
@@ -131,7 +126,7 @@ def test_run_across_a_3_node_cluster_survives_losing_the_jetstream_leader(
                 stderr=(tmp_path / f"{role}.stderr").open("wb"),
             )
         deadline = time.monotonic() + 300
-        while _steps_done(run_dir) < 2:
+        while steps_done(run_dir) < 2:
             crashed = {r: p.returncode for r, p in workers.items() if p.poll() is not None}
             assert not crashed, f"workers exited before the kill: {crashed}\n" + "\n".join(
                 (tmp_path / f"{role}.stderr").read_text()[-2000:] for role in crashed
@@ -172,7 +167,7 @@ def test_run_across_a_3_node_cluster_survives_losing_the_jetstream_leader(
     for ev in final.values():
         t = ev.policy_version - 1
         assert all(t - eta <= head <= t for head in ev.head_versions), (ev.step, ev.head_versions)
-    assert _steps_done(run_dir) >= total
+    assert steps_done(run_dir) >= total
     # the workers on the killed node carried on elsewhere: their logs show the reconnect
     moved = [r for r, node in ROLE_NODE.items() if servers[node] is victim]
     for role in moved:

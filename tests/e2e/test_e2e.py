@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.jobs import committed_steps, finish_job, read_steps, run_job, start_job, tiny_config
+from tests.e2e.jobs import (
+    committed_steps,
+    finish_job,
+    read_steps,
+    run_job,
+    start_job,
+    steps_done,
+    tiny_config,
+)
 
 
 def _check_staleness(steps, eta: int) -> None:
@@ -105,11 +113,6 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
 def _pid_of(run_dir: Path, role: str) -> int:
     logs = sorted((run_dir / "logs").glob(f"{role}-*.jsonl"), key=lambda p: p.stat().st_mtime)
     return int(logs[-1].stem.rsplit("-", 1)[1])
@@ -139,7 +142,7 @@ def test_killed_worker_loses_nothing_and_trains_nothing_twice(
     started = time.monotonic()
     proc = start_job(cfg)
     try:
-        _wait_for(lambda: _steps_done(run_dir) >= 5, 240, "five steps")
+        _wait_for(lambda: steps_done(run_dir) >= 5, 240, "five steps")
         os.kill(_pid_of(run_dir, victim), signal.SIGKILL)
     finally:
         res = finish_job(proc, run_dir, started, timeout=600)
@@ -172,11 +175,11 @@ def test_ctrl_c_stops_the_run_and_the_same_command_resumes_it(tmp_path: Path, ti
     run_dir = tmp_path / "resume"
     started = time.monotonic()
     proc = start_job(cfg)
-    _wait_for(lambda: _steps_done(run_dir) >= 3, 240, "three steps")
+    _wait_for(lambda: steps_done(run_dir) >= 3, 240, "three steps")
     proc.send_signal(signal.SIGINT)
     first = finish_job(proc, run_dir, started, timeout=120)
     assert first.returncode == 130, first.output[-3000:]
-    assert _steps_done(run_dir) < total
+    assert steps_done(run_dir) < total
     second = run_job(cfg, timeout=600)
     assert second.returncode == 0, second.output[-4000:]
     assert "resumed from checkpoint" in second.output
@@ -236,7 +239,7 @@ def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_m
     proc = start_job(cfg)
     extra = None
     try:
-        _wait_for(lambda: _steps_done(run_dir) >= 2, 240, "two steps")
+        _wait_for(lambda: steps_done(run_dir) >= 2, 240, "two steps")
         url = (run_dir / "nats.url").read_text().strip()
         extra = subprocess.Popen(
             [sys.executable, "-m", "workers.cli", "--role", "generation", "--config", str(cfg)]
