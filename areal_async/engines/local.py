@@ -16,7 +16,9 @@ Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
   - "slots" (default): preallocated per-slot buffers, one column written in place per decode step,
     finished rows replaced by moving rows from the end; no per-step cache copies. Capacity grows to
     the longest admitted prompt + max_new_tokens. On CUDA, `cuda_graphs=True` captures the decode
-    forward per (batch bucket, length bucket) and replays it.
+    forward per (batch bucket, length bucket) and replays it. A grouped-query (GQA) sdpa model
+    decodes with its query heads grouped under their K/V head (`packed_gqa_sdpa`), so the K/V
+    heads are never repeated per query head.
   - "dynamic": one left-padded transformers DynamicCache; rows are dropped / merged by copying, and
     leading all-padding columns are trimmed.
   Attention masks and explicit position ids keep every row numerically identical (up to float noise)
@@ -55,8 +57,10 @@ import anyio.from_thread
 import anyio.lowlevel
 import structlog
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from areal_async.engines.base import (
     EngineClosedError,
@@ -240,6 +244,53 @@ def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, pad)
 
 
+PACKED_GQA_SDPA = "areal_packed_gqa_sdpa"
+"""Attention implementation name a slots engine gives a GQA model that uses sdpa."""
+
+
+def packed_gqa_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """sdpa attention; a one-token query of a GQA layer runs on the K/V heads without repeating them.
+
+    Query head h attends with K/V head h // groups (transformers' `repeat_kv` order), so the query
+    [B, heads, 1, D] is viewed as [B, kv_heads, groups, D]: each K/V head answers its `groups` query
+    heads as a `groups`-long query, and the mask [B, 1, 1, span] broadcasts over them. Anything else
+    (prefill, no GQA, extra options) goes to transformers' sdpa unchanged.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_length, dim = query.shape
+    if q_length != 1 or groups == 1 or dropout or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    grouped = query.reshape(batch, heads // groups, groups, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=attention_mask, scale=scaling
+    )
+    return out.reshape(batch, 1, heads, dim), None
+
+
+AttentionInterface.register(PACKED_GQA_SDPA, packed_gqa_sdpa)
+AttentionMaskInterface.register(PACKED_GQA_SDPA, sdpa_mask)
+
+
 class _SlotLayer(CacheLayerMixin):
     """One layer's view of `_SlotKV` for one decode forward (query length 1).
 
@@ -302,7 +353,7 @@ class _SlotKV:
         self.max_rows = max_rows
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         attention = getattr(model.config, "_attn_implementation", "sdpa")
-        if attention not in ("sdpa", "eager"):
+        if attention not in ("sdpa", "eager", PACKED_GQA_SDPA):
             raise NotImplementedError(f"kv_cache='slots' supports sdpa or eager attention, not {attention!r}")
         self.additive_mask = attention == "eager"  # eager adds the mask to the scores; sdpa takes bools
         self.graphs = graphs
@@ -522,6 +573,11 @@ class LocalEngine(InferenceEngine):
             self.model.requires_grad_(False)
         self._check_cache_layout()
         config = self.model.config
+        if kv_cache == "slots" and getattr(config, "_attn_implementation", None) == "sdpa":
+            heads = getattr(config.get_text_config(), "num_attention_heads", 1)
+            kv_heads = getattr(config.get_text_config(), "num_key_value_heads", None) or heads
+            if kv_heads < heads:
+                self.model.set_attn_implementation(PACKED_GQA_SDPA)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         self.engine_id = engine_id or f"local-{uuid.uuid4().hex[:8]}"

@@ -25,7 +25,7 @@ from areal_async.engines.base import (
     GenerationResult,
     SamplingParams,
 )
-from areal_async.engines.local import LocalEngine, sample_tokens
+from areal_async.engines.local import PACKED_GQA_SDPA, LocalEngine, packed_gqa_sdpa, sample_tokens
 from areal_async.models import build_tiny_model, load_causal_lm
 
 torch.set_num_threads(1)
@@ -565,6 +565,44 @@ async def test_slot_cache_works_with_eager_attention(tiny_a: Path) -> None:
         results = await engine.generate(requests)
     for request, result in zip(requests, results, strict=True):
         assert_logprobs_match(model, request.sampling, result, range(12))
+
+
+def test_packed_gqa_decode_attention_equals_repeated_kv_attention() -> None:
+    """A one-token GQA query attends as transformers' sdpa with repeated K/V heads does, mask included."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    batch, kv_heads, groups, span, dim = 3, 2, 3, 11, 8
+    query = torch.randn(batch, kv_heads * groups, 1, dim)
+    key, value = torch.randn(2, batch, kv_heads, span, dim).unbind(0)
+    mask = (torch.arange(span)[None, :] <= torch.tensor([4, 10, 0])[:, None])[:, None, None, :]
+    module = SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
+    got, _ = packed_gqa_sdpa(module, query, key, value, mask, scaling=0.3)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        repeated = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        want = torch.nn.functional.scaled_dot_product_attention(query, *repeated, attn_mask=mask, scale=0.3)
+    assert got.shape == (batch, 1, kv_heads * groups, dim)
+    torch.testing.assert_close(got, want.transpose(1, 2))
+    # a longer query (prefill) is transformers' sdpa itself
+    prefill = torch.randn(batch, kv_heads * groups, 4, dim)
+    got, _ = packed_gqa_sdpa(module, prefill, key, value, None, scaling=0.3)
+    torch.testing.assert_close(got, sdpa_attention_forward(module, prefill, key, value, None, scaling=0.3)[0])
+
+
+@pytest.mark.asyncio
+async def test_slots_engine_decodes_a_gqa_model_with_packed_attention(tiny_qwen_bpe: Path) -> None:
+    """A GQA model served from slots uses the packed decode attention and its log-probs still match an
+    unpadded forward under plain sdpa."""
+    reference = load_causal_lm(tiny_qwen_bpe)
+    requests = make_requests(5, lengths=(14, 6, 9), seed=None)
+    async with LocalEngine(tiny_qwen_bpe, max_batch_size=2, kv_cache="slots") as engine:
+        assert engine.model.config._attn_implementation == PACKED_GQA_SDPA
+        results = await engine.generate(requests)
+    assert reference.config._attn_implementation == "sdpa"
+    for request, result in zip(requests, results, strict=True):
+        assert_logprobs_match(reference, request.sampling, result, range(request.sampling.max_new_tokens))
 
 
 def test_engine_options_are_validated(tiny_a: Path) -> None:
