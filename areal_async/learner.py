@@ -34,6 +34,7 @@ from areal_async.algo.loss import loss_denominator, policy_loss
 from areal_async.config import LossConfig, RunConfig
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine
+from areal_async.models import set_torch_threads
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,7 @@ class Learner:
         self.loss = t.loss
         self.max_new_tokens = cfg.rollout.sampling.max_new_tokens
         temperature = cfg.rollout.sampling.temperature or 1.0
-        if t.num_threads:
-            torch.set_num_threads(t.num_threads)
+        set_torch_threads(t.num_threads)
         self.engine = FSDPTrainEngine(
             model_path,
             dtype=t.dtype,

@@ -80,6 +80,23 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def set_torch_threads(requested: int | None) -> int:
+    """Set torch's intra-op threads to `requested`, at most the cores this process may run on.
+
+    More threads than cores (a process pinned by ``AREAL_CPU_AFFINITY``, a cgroup, taskset) only
+    makes them wait for each other. None keeps torch's default. Returns the thread count in effect.
+    """
+    import torch
+
+    if requested:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else requested
+        threads = min(requested, cores)
+        if threads < requested:
+            log.info("torch threads capped at the usable cores", requested=requested, cores=cores)
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def cache_dir() -> Path:
     """Root of areal-async's model cache: $AREAL_CACHE_DIR or ~/.cache/areal-async."""
     root = os.environ.get(CACHE_ENV)

@@ -44,12 +44,10 @@ IN_PROGRESS_EVERY_S = 20.0
 def make_engine(ctx: WorkerContext, model_path: str) -> InferenceEngine:
     cfg = ctx.cfg
     if cfg.rollout.engine == "local":
-        import torch
-
         from areal_async.engines.local import LocalEngine
+        from areal_async.models import set_torch_threads
 
-        if cfg.rollout.num_threads:
-            torch.set_num_threads(cfg.rollout.num_threads)
+        set_torch_threads(cfg.rollout.num_threads)
         return LocalEngine(
             model_path,
             device=cfg.rollout.device,

@@ -140,3 +140,19 @@ def test_smollm2_gguf_converts_once_to_a_working_safetensors_dir(tmp_path: Path)
     with torch.no_grad():
         completion = model.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :]
     assert "5" in tokenizer.decode(completion)
+
+
+def test_torch_threads_are_capped_at_the_cores_the_process_may_use() -> None:
+    """A process pinned to one core (AREAL_CPU_AFFINITY, taskset) gets one torch thread, whatever the config asks."""
+    import os
+
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        os.sched_setaffinity(0, {min(cores)})
+        assert models.set_torch_threads(2) == 1
+        assert models.set_torch_threads(None) == 1, "None keeps what is set"
+        os.sched_setaffinity(0, cores)
+        assert models.set_torch_threads(len(cores)) == len(cores)
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
