@@ -8,16 +8,23 @@ event cannot make a worker read arbitrary files. Nothing on the wire is ever unp
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import anyio
 import msgpack
 
 from areal_async.config import RunConfig
 from areal_async.errors import ConfigError
+from bus import StreamUnavailable
+
+if TYPE_CHECKING:
+    from bus import Bus
 
 WEIGHTS_SERVED_KEY = "weights.served"
 WEIGHTS_PUBLISHED_KEY = "weights.published"
+RUN_ENDED_KEY = "run.ended"
 
 
 def resolve_model_path(path: str) -> str:
@@ -66,3 +73,20 @@ def unpack_record(entry: Any) -> dict[str, Any] | None:
         return None
     data = msgpack.unpackb(raw)
     return data if isinstance(data, dict) else None
+
+
+async def state_records(bus: Bus, key: str, every_s: float) -> AsyncIterator[dict[str, Any] | None]:
+    """The record under ``key`` in the ``state`` bucket, read every ``every_s`` seconds.
+
+    Core NATS events (``weights.served``, ``weights.published``, ``run.ended``) published while a
+    worker is disconnected, or before its interest has reached the publisher's node after a
+    reconnect, are lost; each is also written to a ``state`` key, and a worker that acts on one
+    re-reads that key with this, so a lost event delays it by at most ``every_s``. A read during a
+    JetStream election that outlasts the bus's leader wait is skipped, not raised.
+    """
+    while True:
+        await anyio.sleep(every_s)
+        try:
+            yield unpack_record(await bus.kv_get("state", key))
+        except StreamUnavailable:
+            continue

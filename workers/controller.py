@@ -43,7 +43,7 @@ from bus.events import (
     TrainerStep,
     WeightsServed,
 )
-from workers.common import WEIGHTS_SERVED_KEY, append_jsonl, unpack_record
+from workers.common import RUN_ENDED_KEY, WEIGHTS_SERVED_KEY, append_jsonl, state_records, unpack_record
 from workers.runtime import WorkerContext
 
 log = structlog.get_logger()
@@ -228,9 +228,23 @@ class Controller:
     async def on_served(self) -> None:
         served = unpack_record(await self.bus.kv_get("state", WEIGHTS_SERVED_KEY))
         await self._served(int(served["policy_version"]) if served else 0)
-        async for ev in self.bus.subscribe(self.bus.subjects.weights_served):
-            if isinstance(ev, WeightsServed):
-                await self._served(ev.policy_version)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._served_from_state)
+            async for ev in self.bus.subscribe(self.bus.subjects.weights_served):
+                if isinstance(ev, WeightsServed):
+                    await self._served(ev.policy_version)
+            tg.cancel_scope.cancel()
+
+    async def _served_from_state(self) -> None:
+        """A ``weights.served`` lost in a disconnect would close admission for good: the state key
+        (written before the event) is the truth, re-read every heartbeat interval."""
+        every = self.cfg.bus.heartbeat_interval_s
+        async for served in state_records(self.bus, WEIGHTS_SERVED_KEY, every):
+            if served and int(served["policy_version"]) != self.state.served_version:
+                log.info(
+                    "weights served, read from the state bucket", policy_version=served["policy_version"]
+                )
+                await self._served(int(served["policy_version"]))
 
     async def _served(self, version: int) -> None:
         self.state.on_served(version)
@@ -296,12 +310,12 @@ class Controller:
         self.ended = True
         await self.save()
         reason = "total_steps reached" if done_training else "dataset exhausted"
+        await self.bus.kv_put(
+            "state", RUN_ENDED_KEY, msgpack.packb({"reason": reason, "policy_version": final})
+        )
         await self.bus.publish(
             self.bus.subjects.run_ended,
             RunEnded(reason=reason, policy_version=final, steps=self.trainer_version),
-        )
-        await self.bus.kv_put(
-            "state", "run.ended", msgpack.packb({"reason": reason, "policy_version": final})
         )
         log.info("run ended", reason=reason, policy_version=final, issued=self.state.total_issued)
         self.ended_event.set()

@@ -102,7 +102,7 @@ async def _last_messages(bus: Any, stream_key: str, count: int) -> list[tuple[in
 
 async def summary(bus: Any, as_json: bool) -> int:
     from bus.events import decode
-    from workers.common import WEIGHTS_PUBLISHED_KEY, WEIGHTS_SERVED_KEY, unpack_record
+    from workers.common import RUN_ENDED_KEY, WEIGHTS_PUBLISHED_KEY, WEIGHTS_SERVED_KEY, unpack_record
 
     report: dict[str, Any] = {"run": bus.run, "streams": {}, "state": {}, "workers": []}
     for spec in bus.subjects.streams:
@@ -125,7 +125,7 @@ async def summary(bus: Any, as_json: bool) -> int:
             except Exception:
                 entry["consumer"] = None
         report["streams"][spec.key] = entry
-    for key in (WEIGHTS_PUBLISHED_KEY, WEIGHTS_SERVED_KEY, "run.ended"):
+    for key in (WEIGHTS_PUBLISHED_KEY, WEIGHTS_SERVED_KEY, RUN_ENDED_KEY):
         report["state"][key] = unpack_record(await bus.kv_get("state", key))
     ctrl = unpack_record(await bus.kv_get("state", "controller"))
     if ctrl:

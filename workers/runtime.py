@@ -42,6 +42,7 @@ from bus.client import (
     connect,
 )
 from bus.events import Heartbeat, RunEnded, encode
+from workers.common import RUN_ENDED_KEY, state_records
 
 log = structlog.get_logger()
 
@@ -270,12 +271,21 @@ async def _watch_run_end(ctx: WorkerContext, scope: anyio.CancelScope) -> None:
     checkpoint) watches ``ctx.ended`` itself and returns from ``serve``."""
     if ctx.role == "controller":
         return  # the controller decides when the run ends
-    if await ctx.bus.kv_get("state", "run.ended") is None:
-        async with ctx.bus.subscribe(ctx.bus.subjects.run_ended) as sub:
+    if await ctx.bus.kv_get("state", RUN_ENDED_KEY) is None:
+        async with anyio.create_task_group() as tg, ctx.bus.subscribe(ctx.bus.subjects.run_ended) as sub:
+
+            async def from_state() -> None:  # the event may be lost in a disconnect; the key is not
+                async for record in state_records(ctx.bus, RUN_ENDED_KEY, ctx.cfg.bus.heartbeat_interval_s):
+                    if record is not None:
+                        log.info("run ended, read from the state bucket", **record)
+                        tg.cancel_scope.cancel()
+
+            tg.start_soon(from_state)
             async for event in sub:
                 if isinstance(event, RunEnded):
                     log.info("run ended", reason=event.reason, policy_version=event.policy_version)
                     break
+            tg.cancel_scope.cancel()
     else:
         log.info("run already ended")
     ctx.ended.set()

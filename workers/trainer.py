@@ -285,15 +285,16 @@ class Trainer:
     ) -> None:
         entries = [TensorEntry(**m) for m in manifest]
         total = (Path(path) / "model.safetensors").stat().st_size
+        # The state key first: it is never older than an event a reader has seen (state_records).
+        await self.bus.kv_put(
+            "state", WEIGHTS_PUBLISHED_KEY, pack_record(policy_version=version, path=str(path))
+        )
         await self.bus.publish(
             self.bus.subjects.weights_published,
             WeightsPublished(
                 policy_version=version, path=str(path), manifest=entries, total_bytes=total, seconds=seconds
             ),
             policy_version=version,
-        )
-        await self.bus.kv_put(
-            "state", WEIGHTS_PUBLISHED_KEY, pack_record(policy_version=version, path=str(path))
         )
 
     def record(self, version: int, event: TrainerStep) -> None:

@@ -31,6 +31,7 @@ from workers.common import (
     WEIGHTS_SERVED_KEY,
     checked_weights_path,
     pack_record,
+    state_records,
     unpack_record,
     weights_root,
 )
@@ -71,9 +72,20 @@ class WeightSync:
         served = unpack_record(await self.bus.kv_get("state", WEIGHTS_SERVED_KEY))
         if served:
             self.served = int(served["policy_version"])
-        async for ev in self.bus.subscribe(self.bus.subjects.weights_published):
-            if isinstance(ev, WeightsPublished):
-                self._publish_seen(ev.policy_version, ev.path)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._published_from_state)
+            async for ev in self.bus.subscribe(self.bus.subjects.weights_published):
+                if isinstance(ev, WeightsPublished):
+                    self._publish_seen(ev.policy_version, ev.path)
+            tg.cancel_scope.cancel()
+
+    async def _published_from_state(self) -> None:
+        """A ``weights.published`` lost in a disconnect would leave the engines on old weights and
+        the run waiting: the state key (written before the event) is re-read every heartbeat interval."""
+        every = self.cfg.bus.heartbeat_interval_s
+        async for raw in state_records(self.bus, WEIGHTS_PUBLISHED_KEY, every):
+            if raw and (self.target is None or int(raw["policy_version"]) != self.target[0]):
+                self._publish_seen(int(raw["policy_version"]), str(raw["path"]))
 
     def _publish_seen(self, version: int, path: str) -> None:
         # A trainer restored from an older checkpoint publishes an older version: follow it.
@@ -133,19 +145,23 @@ class WeightSync:
             return
         self.ctx.set_status("busy", f"syncing v{version}")
         started = time.monotonic()
-        told: set[str] = set()
+        # An engine still lagging a heartbeat TTL after it was told is told again: a weights.load
+        # published while it was disconnected never reached it (core NATS).
+        retell_s = self.cfg.bus.heartbeat_ttl_s
+        told: dict[str, float] = {}
         with anyio.move_on_after(self.cfg.weight_sync.timeout_s) as scope:
             while self.target == (version, path):
                 live = self.live_engines()
                 lagging = sorted(k for k, e in live.items() if e.version != version)
-                new = [k for k in lagging if k not in told]
-                if new:
+                now = time.monotonic()
+                tell = [k for k in lagging if now - told.get(k, -retell_s) >= retell_s]
+                if tell:
                     await self.bus.publish(
                         self.bus.subjects.weights_load,
-                        WeightsLoad(policy_version=version, path=path, engine_ids=new),
+                        WeightsLoad(policy_version=version, path=path, engine_ids=tell),
                         policy_version=version,
                     )
-                    told.update(new)
+                    told.update(dict.fromkeys(tell, now))
                 if live and not lagging:
                     break
                 await anyio.sleep(0.05)
@@ -162,12 +178,13 @@ class WeightSync:
         engines = sorted(k for k, e in self.live_engines().items() if e.version == version)
         self.served = version
         self.ctx.policy_version = version
+        # The state key first: it is never older than an event a reader has seen (state_records).
+        await self.bus.kv_put("state", WEIGHTS_SERVED_KEY, pack_record(policy_version=version, path=path))
         await self.bus.publish(
             self.bus.subjects.weights_served,
             WeightsServed(policy_version=version, engine_ids=engines, seconds=timings),
             policy_version=version,
         )
-        await self.bus.kv_put("state", WEIGHTS_SERVED_KEY, pack_record(policy_version=version, path=path))
         log.info(
             "weights served",
             policy_version=version,
