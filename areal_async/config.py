@@ -329,7 +329,8 @@ class TrainerConfig:
     """Training steps of the run; the run ends after the last one."""
 
     micro_batch_tokens: int = 4096
-    """Token budget of one micro-batch (padded tokens)."""
+    """Token budget of one micro-batch: padded tokens, or real tokens where the trainer packs
+    sequences into one row (CUDA with bf16)."""
 
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """``bfloat16`` = autocast with fp32 master weights; ``auto`` = bfloat16 where it runs natively

@@ -15,9 +15,10 @@ per layer and sequence of length L), as PaLM-style MFU does.
   python scripts/bench_trainer.py --model ~/.cache/areal-async/models/smollm2-135m-instruct --seqs 8 \\
       --prompt-len 64 --completion-len 192 --dtype bfloat16
   # H200, Qwen2-0.5B-shaped random model (peak 989 TFLOP/s bf16 dense)
-  # (logprob chunk = micro-batch budget: no lm_head recompute, ~50 GB of fp32 logits at 32k tokens)
+  # (logprob chunk = micro-batch budget: no lm_head recompute, ~50 GB of fp32 logits at 32k tokens;
+  #  micro-batches are packed rows by default there, `--packed off` for padded rows)
   python scripts/bench_trainer.py --device cuda --shape qwen2-0.5b --dtype bfloat16 --seqs 64 \\
-      --prompt-len 256 --completion-len 1792 --micro-batch-tokens 32768 --logprob-chunk-tokens 32768
+      --prompt-len 256 --completion-len 1792 --micro-batch-tokens 32768 --logprob-chunk-tokens 32768 --compile
 
 Prints a table; `--out FILE` writes the rows as JSON.
 """
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from areal_async.engines.batching import TrainSequence, pack_micro_batches
+from areal_async.engines.batching import TrainSequence, pack_micro_batches, pack_tokens
 from areal_async.engines.fsdp import FSDPTrainEngine
 from areal_async.logs import configure_logging
 
@@ -138,14 +139,18 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         gradient_checkpointing=args.gradient_checkpointing,
         logprob_chunk_tokens=args.logprob_chunk_tokens,
         compile=args.compile,
+        packed={"auto": None, "on": True, "off": False}[args.packed],
     )
     params = sum(p.numel() for p in engine.params)
     batch = make_batch(
         args.seqs, args.prompt_len, args.completion_len, args.jitter, engine.config.vocab_size, args.seed
     )
-    bins = pack_micro_batches(batch, args.micro_batch_tokens)
-    padded = sum(len(b) * max(batch[i].length for i in b) for b in bins)
     real = sum(s.length for s in batch)
+    if engine.packed:
+        bins, padded = pack_tokens([s.length for s in batch], args.micro_batch_tokens), real
+    else:
+        bins = pack_micro_batches(batch, args.micro_batch_tokens)
+        padded = sum(len(b) * max(batch[i].length for i in b) for b in bins)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     step_s, prox_s, loss = [], [], float("nan")
@@ -169,6 +174,7 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         "model": label,
         "device": args.device,
         "dtype": dtype,
+        "packed": engine.packed,
         "params": params,
         "seqs": len(batch),
         "tokens": real,
@@ -219,6 +225,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     cols = [
         "model",
         "dtype",
+        "packed",
         "params",
         "tokens",
         "pad_frac",
@@ -257,6 +264,12 @@ def main() -> None:
     parser.add_argument("--logprob-chunk-tokens", type=int, default=4096)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    parser.add_argument(
+        "--packed",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="micro-batches as one packed row (auto: CUDA bf16) or padded rows",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

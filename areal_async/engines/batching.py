@@ -23,7 +23,13 @@ by index, so the result is deterministic) and fills bins greedily in that order,
 keeps the padding inside a bin small. A sequence longer than the budget gets a bin of its
 own and a warning.
 
-Legend: B/b rows (sequences), T padded length, C completion length, P prompt length.
+`pack_tokens` bins for packed rows instead, by total tokens, and `model_inputs` lays a
+micro-batch out for the model (`ModelInputs`): collate's padded rows, or one packed row of
+the sequences back to back, which wastes no compute on padding and needs attention that
+keeps sequences apart (`engines/varlen.py`). Either way the loss sees collate's layout.
+
+Legend: B/b rows (sequences), T padded length, C completion length, P prompt length,
+N tokens of a packed row.
 """
 
 from __future__ import annotations
@@ -169,3 +175,103 @@ def collate(seqs: Sequence[TrainSequence], *, pad_token_id: int = 0) -> dict[str
         "mask": mask,
         **per_token,
     }
+
+
+def pack_tokens(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Bin indices of `lengths` so each bin's `sum(lengths in bin) <= token_budget` (packed rows).
+
+    Starts with the fewest bins the total needs and puts each length, longest first (ties by
+    index), into the least-filled bin it fits in, opening a bin when none has room, so bins end
+    up about equally full. An over-budget length gets its own bin. Deterministic.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    fitting = sum(n for n in lengths if n <= token_budget)
+    bins: list[list[int]] = [[] for _ in range(-(-fitting // token_budget))]
+    loads = [0] * len(bins)
+    for i in order:
+        n = lengths[i]
+        if n > token_budget:
+            log.warning("sequence exceeds micro-batch budget", index=i, length=n, token_budget=token_budget)
+            bins.append([i])
+            loads.append(n)
+            continue
+        fits = [k for k in range(len(bins)) if loads[k] + n <= token_budget]
+        if not fits:
+            bins.append([])
+            loads.append(0)
+            fits = [len(bins) - 1]
+        k = min(fits, key=lambda k: (loads[k], k))
+        bins[k].append(i)
+        loads[k] += n
+    return [b for b in bins if b]
+
+
+@dataclass(kw_only=True)
+class ModelInputs:
+    """What the model reads for one micro-batch, and where each completion token's logprob goes.
+
+    Padded: `input_ids` is collate's `[b, T]`. Packed: one row `[1, N]`, the sequences back to
+    back (N = their total length), position ids restarting at 0 per sequence, `cu_seqlens` the
+    sequence bounds. In both, `hidden_index` indexes the flattened model rows: the hidden state
+    that predicts each completion token (the token is at `hidden_index + 1`), and `target_index`
+    indexes the flattened `[b, T]` layout of collate, where the token's logprob belongs.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    hidden_index: torch.Tensor
+    target_index: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    """int32 `[b + 1]`: 0, then the end of each sequence in the packed row (None: padded rows)."""
+    max_length: int = 0
+    """Longest sequence (packed rows)."""
+
+    def to(self, device: torch.device) -> ModelInputs:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda":
+                t = t.pin_memory()  # a truly asynchronous copy: no wait for the GPU's queue
+            return t.to(device, non_blocking=True)
+
+        return ModelInputs(
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            hidden_index=move(self.hidden_index),
+            target_index=move(self.target_index),
+            cu_seqlens=move(self.cu_seqlens) if self.cu_seqlens is not None else None,
+            max_length=self.max_length,
+        )
+
+
+def model_inputs(seqs: Sequence[TrainSequence], input_ids_BT: torch.Tensor, *, packed: bool) -> ModelInputs:
+    """Model inputs for `seqs` given collate's `input_ids` (`ModelInputs` says the layouts)."""
+    t = input_ids_BT.shape[1]
+    lengths = [s.length for s in seqs]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    target, hidden = [], []
+    for row, s in enumerate(seqs):
+        p, c = len(s.prompt_ids), s.num_completion_tokens
+        columns = torch.arange(p, p + c)
+        target.append(row * t + columns)
+        hidden.append((starts[row] if packed else row * t) + columns - 1)
+    target_index, hidden_index = torch.cat(target), torch.cat(hidden)
+    if not packed:
+        position_ids = torch.arange(t, dtype=torch.long).expand(len(seqs), t).contiguous()
+        return ModelInputs(
+            input_ids=input_ids_BT,
+            position_ids=position_ids,
+            hidden_index=hidden_index,
+            target_index=target_index,
+        )
+    keep = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
+    return ModelInputs(
+        input_ids=input_ids_BT[keep][None],
+        position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+        hidden_index=hidden_index,
+        target_index=target_index,
+        cu_seqlens=torch.tensor(starts, dtype=torch.int32),
+        max_length=max(lengths),
+    )

@@ -12,7 +12,7 @@ collectives. Ranks may hold different numbers of sequences (also none); the engi
 with empty micro-batches so all ranks run the same number of forward/backward passes.
 
 Loss contract (docs/CONTRACTS.md). `train_step(seqs, loss_fn)` packs each rank's shard
-into micro-batches by padded token budget and calls `loss_fn(mb) -> (loss, stats)` once
+into micro-batches by token budget and calls `loss_fn(mb) -> (loss, stats)` once
 per micro-batch. `mb` holds the `[b, T]` tensors of `batching.collate` (input_ids, mask,
 behave_logprobs, prox_logprobs, advantages, loss_weights, ref_logprobs?) plus
 `logprobs` (pi_theta, float32, with grad), `entropy` (float32, no grad) and the 0-d
@@ -21,6 +21,12 @@ of `train_step`; by default the completion tokens of all ranks, all-reduced). `l
 already be divided by it, so that summing the micro-batch losses of all ranks gives the
 step loss; gradients are summed across ranks the same way (FSDP averaging is off).
 Stats are summed over micro-batches and ranks, except keys ending in `_max` (maximum).
+
+Packing. With `packed` (default: where `varlen.varlen_available`: CUDA, bf16) a micro-batch
+is one row of its sequences back to back, up to `micro_batch_tokens` real tokens; matmuls,
+norms and the lm_head see no padding, and attention stays within each sequence
+(`engines/varlen.py`). Otherwise rows are right-padded and the budget counts padded tokens.
+The loss sees the same `[b, T]` batch either way.
 
 Numerics. Master weights and optimizer state are float32; `dtype="bfloat16"` runs the
 forward under autocast. Token logprobs and entropy are computed in float32 from the
@@ -41,7 +47,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import json
 import math
 import os
@@ -54,12 +59,20 @@ from typing import Any, Literal
 import structlog
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from areal_async.checkpoint import fsync_tree, replace_dir
-from areal_async.engines.batching import TrainSequence, collate, pack_micro_batches
+from areal_async.engines import varlen
+from areal_async.engines.batching import (
+    ModelInputs,
+    TrainSequence,
+    collate,
+    model_inputs,
+    pack_lengths,
+    pack_tokens,
+)
+from areal_async.weights_file import write_safetensors
 
 log = structlog.get_logger(__name__)
 
@@ -146,12 +159,6 @@ def lr_factor(
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's raw bytes in row-major order (how safetensors stores it)."""
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha256(memoryview(flat.view(torch.uint8).numpy())).hexdigest()
-
-
 def _token_logprobs(
     hidden_NH: torch.Tensor, targets_N: torch.Tensor, head: nn.Module, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,23 +216,33 @@ class _TokenLogprobModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        target_mask: torch.Tensor,
+        hidden_index: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_length: int = 0,
         with_entropy: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[b, T]` logprobs and entropy of tokens where `target_mask`, zero elsewhere (column 0 never)."""
-        hidden = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        """Logprobs and entropy `[n]` of the tokens at `hidden_index + 1` (`batching.ModelInputs`).
+
+        With `cu_seqlens` the row is packed and the decoder must run `varlen.ATTN_IMPLEMENTATION`.
+        """
+        packed: dict[str, Any] = {}
+        if cu_seqlens is not None:  # read by varlen.packed_attention_forward in every layer
+            packed = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
+            packed |= {"max_length_q": max_length, "max_length_k": max_length}
+        hidden = self.hf.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **packed
+        )
         hidden_BTH = hidden.last_hidden_state
-        b, t = input_ids.shape
         head = self.hf.get_output_embeddings()
-        select = target_mask[:, 1:]
-        hidden_NH = hidden_BTH[:, :-1][select]
-        if hidden_NH.shape[0] == 0:
+        n, chunk = hidden_index.shape[0], self.chunk_tokens
+        if n == 0:
             # Keep every parameter in the graph: all ranks must run the same gradient reductions.
             anchor = head(hidden_BTH[:1, :1]).float().sum() * 0.0
-            zeros = torch.zeros((b, t), dtype=torch.float32, device=input_ids.device) + anchor
+            zeros = torch.zeros(0, dtype=torch.float32, device=input_ids.device) + anchor
             return zeros, zeros.detach()
-        targets_N = input_ids[:, 1:][select]
-        n, chunk = hidden_NH.shape[0], self.chunk_tokens
+        # Indices come from the host: no device-to-host sync, unlike a boolean-mask select.
+        hidden_NH = hidden_BTH.flatten(0, 1).index_select(0, hidden_index)
+        targets_N = input_ids.flatten().index_select(0, hidden_index + 1)
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         for start in range(0, n, chunk):
             args = (
@@ -239,12 +256,7 @@ class _TokenLogprobModel(nn.Module):
                 parts.append(checkpoint(self.logprob_fn, *args, use_reentrant=False))
             else:
                 parts.append(self.logprob_fn(*args))
-        logprobs_N = torch.cat([p[0] for p in parts])
-        entropy_N = torch.cat([p[1] for p in parts])
-        base = torch.zeros((b, t - 1), dtype=torch.float32, device=input_ids.device)
-        logprobs_BT = F.pad(base.masked_scatter(select, logprobs_N), (1, 0))
-        entropy_BT = F.pad(base.masked_scatter(select, entropy_N), (1, 0))
-        return logprobs_BT, entropy_BT
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 class FSDPTrainEngine:
@@ -271,6 +283,7 @@ class FSDPTrainEngine:
         temperature: float = 1.0,
         logprob_chunk_tokens: int = 4096,
         compile: bool = False,
+        packed: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -294,13 +307,17 @@ class FSDPTrainEngine:
             torch.bfloat16 if resolve_train_dtype(dtype, self.device) == "bfloat16" else None
         )
         self.micro_batch_tokens = micro_batch_tokens
+        self.packed = varlen.varlen_available(self.device, self.autocast_dtype) if packed is None else packed
+        """Micro-batches as one packed row (no padding) instead of padded rows."""
         self.grad_clip = grad_clip
         self.version = 0
         """Policy version: optimizer steps taken since the initial weights (version 0)."""
 
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=torch.float32, attn_implementation="sdpa"
+            self.model_path,
+            dtype=torch.float32,
+            attn_implementation=varlen.ATTN_IMPLEMENTATION if self.packed else "sdpa",
         )
         self.config = hf.config
         pad = getattr(hf.config, "pad_token_id", None)
@@ -385,24 +402,51 @@ class FSDPTrainEngine:
 
     def _micro_batches(self, seqs: Sequence[TrainSequence]) -> list[list[int] | None]:
         """This rank's bins, padded with None (an empty pass) to the largest bin count of any rank."""
-        bins: list[list[int] | None] = list(pack_micro_batches(seqs, self.micro_batch_tokens))
+        pack = pack_tokens if self.packed else pack_lengths
+        bins: list[list[int] | None] = list(pack([s.length for s in seqs], self.micro_batch_tokens))
         total = int(self._all_reduce([float(len(bins))], dist.ReduceOp.MAX)[0])
         return bins + [None] * (total - len(bins))
 
     def _forward(
-        self, mb: dict[str, torch.Tensor], *, with_entropy: bool = True
+        self, mb: dict[str, torch.Tensor], inputs: ModelInputs, *, with_entropy: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[b, T]` logprobs and entropy of `mb`'s completion tokens (collate's layout), zero elsewhere."""
         with self._autocast():
-            return self.model(mb["input_ids"], mb["position_ids"], mb["mask"], with_entropy)
+            logprobs_N, entropy_N = self.model(
+                inputs.input_ids,
+                inputs.position_ids,
+                inputs.hidden_index,
+                inputs.cu_seqlens,
+                inputs.max_length,
+                with_entropy,
+            )
+        shape = mb["input_ids"].shape
+        base = torch.zeros(shape.numel(), dtype=torch.float32, device=self.device)
+        logprobs_BT = base.index_put((inputs.target_index,), logprobs_N).view(shape)
+        entropy_BT = base.index_put((inputs.target_index,), entropy_N).view(shape)
+        return logprobs_BT, entropy_BT
 
-    def _empty_batch(self) -> dict[str, torch.Tensor]:
+    def _empty_batch(self) -> tuple[dict[str, torch.Tensor], ModelInputs]:
+        """A two-token pass with no completion token (keeps ranks' collectives in step)."""
         ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros((1, 2), dtype=torch.bool, device=self.device)
-        return {"input_ids": ids, "position_ids": torch.arange(2, device=self.device)[None], "mask": mask}
+        none = torch.zeros(0, dtype=torch.long, device=self.device)
+        inputs = ModelInputs(
+            input_ids=ids,
+            position_ids=torch.arange(2, device=self.device)[None],
+            hidden_index=none,
+            target_index=none,
+            cu_seqlens=torch.tensor([0, 2], dtype=torch.int32, device=self.device) if self.packed else None,
+            max_length=2,
+        )
+        return {"input_ids": ids}, inputs
 
-    def _collate(self, seqs: Sequence[TrainSequence]) -> dict[str, torch.Tensor]:
+    def _collate(self, seqs: Sequence[TrainSequence]) -> tuple[dict[str, torch.Tensor], ModelInputs]:
+        """The loss batch (collate's `[b, T]` tensors) and the model's inputs, on the device."""
         mb = collate(seqs, pad_token_id=self.pad_token_id)
-        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+        inputs = model_inputs(seqs, mb["input_ids"], packed=self.packed).to(self.device)
+        pin = self.device.type == "cuda"  # pinned: the copy does not wait for the GPU's queue
+        mb = {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in mb.items()}
+        return mb, inputs
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -417,18 +461,22 @@ class FSDPTrainEngine:
         Used for pi_prox at the start of a step and for reference-model logprobs. Collective.
         """
         self.model.eval()
-        out: list[torch.Tensor | None] = [None] * len(seqs)
+        order: list[int] = []
+        parts: list[torch.Tensor] = []
         for bin_ in self._micro_batches(seqs):
             if bin_ is None:
-                self._forward(self._empty_batch(), with_entropy=False)
+                self._forward(*self._empty_batch(), with_entropy=False)
                 continue
-            rows = [seqs[i] for i in bin_]
-            logprobs_BT, _ = self._forward(self._collate(rows), with_entropy=False)
-            logprobs_BT = logprobs_BT.cpu()
-            for row, i in enumerate(bin_):
-                p, c = len(seqs[i].prompt_ids), seqs[i].num_completion_tokens
-                out[i] = logprobs_BT[row, p : p + c].clone()
-        return [t if t is not None else torch.zeros(0) for t in out]
+            mb, inputs = self._collate([seqs[i] for i in bin_])
+            logprobs_BT, _ = self._forward(mb, inputs, with_entropy=False)
+            # Completion tokens of the bin's rows in row order; one copy to the host at the end.
+            parts.append(logprobs_BT.flatten().index_select(0, inputs.target_index))
+            order += bin_
+        flat = torch.cat(parts).cpu() if parts else torch.zeros(0)
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(seqs)
+        for i, values in zip(order, flat.split([seqs[i].num_completion_tokens for i in order]), strict=True):
+            out[i] = values.clone()
+        return out
 
     def train_step(
         self, seqs: Sequence[TrainSequence], loss_fn: LossFn, *, global_tokens: int | float | None = None
@@ -463,11 +511,11 @@ class FSDPTrainEngine:
         bins = self._micro_batches(seqs)
         for bin_ in bins:
             if bin_ is None:
-                logprobs_BT, _ = self._forward(self._empty_batch())
+                logprobs_BT, _ = self._forward(*self._empty_batch())
                 (logprobs_BT.sum() * 0.0).backward()
                 continue
-            mb = self._collate([seqs[i] for i in bin_])
-            logprobs_BT, entropy_BT = self._forward(mb)
+            mb, inputs = self._collate([seqs[i] for i in bin_])
+            logprobs_BT, entropy_BT = self._forward(mb, inputs)
             mb.update(logprobs=logprobs_BT, entropy=entropy_BT, global_tokens=denominator)
             loss, stats = loss_fn(mb)
             loss.backward()
@@ -612,23 +660,12 @@ class FSDPTrainEngine:
         Returns the manifest `[{name, shape, dtype, sha256}]`. No collectives, no shared state:
         safe in a background thread.
         """
-        from safetensors.torch import save_file
-
         start = time.perf_counter()
         path = Path(path)
-        manifest = [
-            {
-                "name": name,
-                "shape": list(tensor.shape),
-                "dtype": str(tensor.dtype).removeprefix("torch."),
-                "sha256": tensor_sha256(tensor),
-            }
-            for name, tensor in tensors.items()
-        ]
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        manifest = write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
         config = copy.deepcopy(self.config)
         config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
         config.save_pretrained(tmp)

@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from areal_async.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.engines.batching import TrainSequence
-from areal_async.engines.fsdp import FSDPTrainEngine, init_distributed, tensor_sha256
+from areal_async.engines.fsdp import FSDPTrainEngine, init_distributed
+from areal_async.weights_file import tensor_sha256
 
 VOCAB = 64
 WORLD = 2

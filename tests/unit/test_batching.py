@@ -9,7 +9,14 @@ import torch
 from structlog.testing import capture_logs
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from areal_async.engines.batching import TrainSequence, collate, pack_lengths, pack_micro_batches
+from areal_async.engines.batching import (
+    TrainSequence,
+    collate,
+    model_inputs,
+    pack_lengths,
+    pack_micro_batches,
+    pack_tokens,
+)
 
 
 def make_seq(
@@ -127,3 +134,38 @@ def test_collated_columns_line_up_with_next_token_logprobs() -> None:
         p = len(s.prompt_ids)
         manual = torch.stack([alone[p + j - 1, tok] for j, tok in enumerate(s.completion_ids)])
         torch.testing.assert_close(logprobs_BT[row][mb["mask"][row]], manual, atol=1e-5, rtol=1e-5)
+
+
+def test_token_packing_respects_the_budget_and_keeps_bins_even() -> None:
+    """Packed bins sum to at most the budget, use every index once, are as few as the total
+    needs here and hold about equal token counts; the result is deterministic."""
+    lengths = [300 + (i * 37) % 500 for i in range(40)]
+    bins = pack_tokens(lengths, 4096)
+    assert sorted(i for b in bins for i in b) == list(range(40))
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    assert max(loads) <= 4096 and len(bins) == -(-sum(lengths) // 4096)
+    assert max(loads) - min(loads) <= max(lengths)
+    assert pack_tokens(lengths, 4096) == bins
+
+
+def test_packed_model_inputs_line_up_with_collate() -> None:
+    """A packed row holds each sequence's tokens with positions from 0; hidden_index + 1 is the
+    completion token that target_index places in collate's layout."""
+
+    def seq(prompt: list[int], completion: list[int]) -> TrainSequence:
+        zeros = [0.0] * len(completion)
+        return TrainSequence(
+            prompt_ids=prompt, completion_ids=completion, behave_logprobs=zeros, advantages=zeros
+        )
+
+    seqs = [seq([5, 6], [7, 8, 9]), seq([1], [2]), seq([3, 4, 5], [])]
+    mb = collate(seqs)
+    inputs = model_inputs(seqs, mb["input_ids"], packed=True)
+    assert inputs.input_ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4, 5]]
+    assert inputs.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 0, 1, 2]]
+    assert inputs.cu_seqlens.tolist() == [0, 5, 7, 10] and inputs.max_length == 5
+    targets = inputs.input_ids.flatten()[inputs.hidden_index + 1]
+    assert targets.tolist() == mb["input_ids"].flatten()[inputs.target_index].tolist() == [7, 8, 9, 2]
+    assert mb["mask"].flatten()[inputs.target_index].all() and int(mb["mask"].sum()) == 4
+    padded = model_inputs(seqs, mb["input_ids"], packed=False)
+    assert torch.equal(padded.hidden_index + 1, padded.target_index) and padded.cu_seqlens is None

@@ -1,0 +1,116 @@
+"""Attention over packed rows: several sequences in one row, each attending causally to itself only.
+
+The training engine can pack a micro-batch into one row `[1, N]` without padding, with
+position ids that restart at 0 for every sequence, and call the decoder with the keyword
+arguments transformers hands down to the attention function of every layer:
+`cu_seq_lens_q` / `cu_seq_lens_k` (int32 `[S + 1]`: 0, the end of each sequence in the row)
+and `max_length_q` / `max_length_k` (the longest sequence).
+
+`packed_attention_forward` is registered in transformers' `AttentionInterface` as
+`ATTN_IMPLEMENTATION`. On CUDA with 16-bit inputs it runs `torch.nn.attention.varlen.varlen_attn`
+(FlashAttention-2 varlen kernels, causal; grouped K/V heads are read in place, not repeated).
+Elsewhere (CPU, float32) it runs causal SDPA on each sequence in turn: exact, one call per
+sequence. Under autocast q, k and v are cast to the autocast dtype first, as SDPA would. No
+mask function is registered under the name, so transformers builds no attention mask for it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+
+ATTN_IMPLEMENTATION = "areal_packed"
+"""`attn_implementation` name of `packed_attention_forward`."""
+
+
+def varlen_available(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """True where packed rows run on a fused varlen kernel: CUDA with `torch.nn.attention.varlen`,
+    attention in 16 bits (`dtype`: the autocast dtype; None: float32)."""
+    fp16 = dtype in (torch.float16, torch.bfloat16)
+    return device.type == "cuda" and fp16 and _VARLEN_KWARGS is not None
+
+
+def _varlen_kwargs() -> dict[str, Any] | None:
+    """Keyword arguments that make `varlen_attn` causal and accept grouped K/V heads: its signature
+    moved between torch releases. None without a usable `varlen_attn`."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}  # older releases: always on
+    if "window_size" in params:
+        return {"window_size": (-1, 0), **gqa}
+    if "is_causal" in params:
+        return {"is_causal": True, **gqa}
+    return None
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each packed sequence: `[1, heads, N, D]` in, `[1, N, heads, D]` out."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None or query.shape[0] != 1:
+        raise ValueError(
+            f"attn_implementation {ATTN_IMPLEMENTATION!r} needs one packed row and cu_seq_lens_q; "
+            "call the decoder with packed inputs (batching.model_inputs(..., packed=True))"
+        )
+    if sliding_window is not None or dropout != 0.0:
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} supports neither sliding-window attention nor dropout")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        # A custom op escapes autocast, and rotary embeddings in float32 promote q and k to it.
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query, key, value))
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        causal = _VARLEN_KWARGS
+        assert causal is not None, "torch.nn.attention.varlen.varlen_attn is missing"
+        out_NHD = varlen_attn(
+            q_NHD.contiguous(),
+            k_NHD.contiguous(),
+            v_NHD.contiguous(),
+            cu_seqlens,
+            cu_seqlens,
+            kwargs["max_length_q"],
+            kwargs["max_length_q"],
+            scale=scaling,
+            **causal,
+        )
+    else:
+        out_NHD = _sdpa_per_sequence(query, key, value, cu_seqlens.tolist(), scaling)
+    return out_NHD.unsqueeze(0), None
+
+
+def _sdpa_per_sequence(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scaling: float | None
+) -> torch.Tensor:
+    """Reference path: causal SDPA on each `[start, end)` slice of the row; `[N, heads, D]`."""
+    gqa = key.shape[1] != query.shape[1]
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return torch.cat(outs, dim=2)[0].transpose(0, 1)
+
+
+_VARLEN_KWARGS = _varlen_kwargs()  # resolved once, outside any torch.compile'd layer
+AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)

@@ -1,0 +1,94 @@
+"""Write a safetensors file and its manifest in one pass over the tensors.
+
+`safetensors.torch.save_file` serialises every tensor into one in-memory buffer before it
+writes, so a 538 MB policy costs a full extra copy. The trainer writes a new policy after
+every step, in the background, on the cores the next step computes on; here each tensor's
+bytes go straight from the tensor to the file and to sha256, and nothing is copied.
+
+The file is standard safetensors: an 8-byte little-endian header length, a JSON header
+`{name: {dtype, shape, data_offsets}, "__metadata__": {...}}` padded with spaces to a multiple
+of 8 bytes, then the tensors' bytes back to back in header order. Any safetensors reader
+(`safe_open`, `load_file`, vLLM, SGLang) reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in row-major order, without a copy when it is already contiguous on CPU."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's raw bytes in row-major order (how safetensors stores it)."""
+    return hashlib.sha256(_raw(tensor)).hexdigest()
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Write `tensors` to the safetensors file `path` (not fsynced) and return the manifest.
+
+    The manifest is `[{name, shape, dtype, sha256}]` in the order the tensors were given,
+    sha256 over each tensor's raw little-endian bytes.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(
+                f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store; "
+                f"cast it to one of {', '.join(str(d) for d in _DTYPES)}"
+            )
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    manifest = []
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name, tensor in tensors.items():
+            raw = _raw(tensor)
+            f.write(raw)
+            manifest.append(
+                {
+                    "name": name,
+                    "shape": list(tensor.shape),
+                    "dtype": str(tensor.dtype).removeprefix("torch."),
+                    "sha256": hashlib.sha256(raw).hexdigest(),
+                }
+            )
+    return manifest
