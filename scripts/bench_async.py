@@ -126,7 +126,11 @@ def main() -> None:
     p.add_argument("--naive-etas", default="0,4,8", help="runs with the decoupled loss off ('' = none)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--target", type=float, default=0.5, help="eval accuracy for time-to-target")
-    p.add_argument("--affinity", default="generation=0;trainer=1", help="AREAL_CPU_AFFINITY for every run")
+    p.add_argument(
+        "--affinity",
+        default="generation=0;trainer=1;trainer.io=0",
+        help="AREAL_CPU_AFFINITY for every run (trainer.io: the trainer's weight writer thread)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench-async")
     args = p.parse_args()

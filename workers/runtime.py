@@ -23,7 +23,8 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,23 +132,75 @@ def default_worker_id(role: str) -> str:
     return f"{role}-{host}-{os.getpid()}"
 
 
-def pin_cpus(role: str) -> None:
-    """Pin this process to the cores named for its role in ``AREAL_CPU_AFFINITY``.
+AFFINITY_ENV = "AREAL_CPU_AFFINITY"
 
-    Format ``role=cores;role=cores`` with cores like ``0``, ``0,1`` or ``2-5``, e.g.
-    ``generation=0;trainer=1``: on one machine this makes generation and training behave
-    like separate devices (benchmarks). Roles not named keep every core.
+
+def cpu_affinity(name: str, spec: str | None = None) -> set[int] | None:
+    """The cores ``AREAL_CPU_AFFINITY`` (or ``spec``) names for ``name``; None when it names none.
+
+    Format ``name=cores;name=cores`` with cores like ``0``, ``0,1`` or ``2-5``. A name is a role
+    (``trainer``: the whole process) or ``<role>.io`` (the role's background I/O threads: the
+    trainer's weight writer, which hashes and writes every new version). E.g.
+    ``generation=0;trainer=1;trainer.io=0``.
     """
-    spec = os.environ.get("AREAL_CPU_AFFINITY", "")
+    spec = os.environ.get(AFFINITY_ENV, "") if spec is None else spec
+    found: set[int] | None = None
     for part in filter(None, (p.strip() for p in spec.split(";"))):
-        name, _, cores = part.partition("=")
-        if name.strip() != role:
+        key, sep, cores = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"{AFFINITY_ENV}: entry {part!r} is not NAME=CORES; write e.g. 'generation=0;trainer=1'"
+            )
+        if key.strip() != name:
             continue
         cpus: set[int] = set()
         for item in cores.split(","):
-            lo, _, hi = item.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
+            lo, _, hi = item.strip().partition("-")
+            try:
+                first, last = int(lo), int(hi or lo)
+            except ValueError:
+                raise ValueError(
+                    f"{AFFINITY_ENV}: {key.strip()}={cores!r} has core {item.strip()!r}, which is not a "
+                    "number or a range; write cores like 0, 0,1 or 2-5"
+                ) from None
+            if first < 0 or last < first:
+                raise ValueError(
+                    f"{AFFINITY_ENV}: {key.strip()}={cores!r} has the empty or negative range "
+                    f"{item.strip()!r}; write a range as LOW-HIGH with 0 <= LOW <= HIGH"
+                )
+            cpus.update(range(first, last + 1))
+        found = cpus
+    return found
+
+
+def pin_cpus(role: str) -> None:
+    """Pin this process to the cores named for its role in ``AREAL_CPU_AFFINITY``.
+
+    On one machine, ``generation=0;trainer=1`` makes generation and training behave like separate
+    devices (benchmarks). Roles not named keep every core.
+    """
+    cpus = cpu_affinity(role)
+    if cpus is not None:
         os.sched_setaffinity(0, cpus)
+
+
+@contextmanager
+def io_thread_affinity(role: str) -> Iterator[None]:
+    """Run the calling thread on the cores named for ``<role>.io`` while inside; restore them after.
+
+    Background I/O of a pinned role (hashing and writing weights) would otherwise take time from
+    the cores its compute is pinned to. On Linux the affinity of pid 0 is the calling thread's.
+    """
+    cpus = cpu_affinity(f"{role}.io")
+    if cpus is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def run_role(
@@ -159,7 +212,6 @@ def run_role(
 ) -> int:
     """Run one role until it finishes, the run ends, or a signal arrives; return the exit code."""
     worker_id = worker_id or os.environ.get("AREAL_WORKER_ID") or default_worker_id(role)
-    pin_cpus(role)
     logs_dir = cfg.run_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(
@@ -171,6 +223,11 @@ def run_role(
         rank=int(os.environ.get("RANK", "0")),
     )
     write_resolved_config(cfg, role)
+    try:
+        pin_cpus(role)
+    except ValueError as exc:
+        log.error("bad cpu affinity", error=str(exc))
+        return 2
     try:
         code = anyio.run(_main, cfg, role, worker_id, serve, backend="asyncio")
     except BusConnectError as exc:

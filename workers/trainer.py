@@ -56,7 +56,7 @@ from workers.common import (
     unpack_record,
     weights_dir,
 )
-from workers.runtime import WorkerContext
+from workers.runtime import WorkerContext, io_thread_affinity
 
 log = structlog.get_logger()
 
@@ -270,9 +270,14 @@ class Trainer:
         async for version, tensors in self.weights_in:
             t0 = time.monotonic()
             path = weights_dir(self.cfg, version)
-            manifest = await anyio.to_thread.run_sync(self.learner.write_weights, path, tensors)
+            manifest = await anyio.to_thread.run_sync(self._write, path, tensors)
             self.last_write_s = time.monotonic() - t0
             await self.publish_weights(version, path, manifest, self.last_write_s)
+
+    def _write(self, path: Path, tensors: Any) -> list[dict[str, Any]]:
+        """Worker-thread body: hash and write one version on the cores for ``trainer.io``, if named."""
+        with io_thread_affinity("trainer"):
+            return self.learner.write_weights(path, tensors)
 
     def bus_seconds(self) -> float:
         """Seconds this process spent publishing and decoding events since the previous step."""
