@@ -13,6 +13,15 @@ resubmitting the interrupted streams). Saving the checkpoint is not counted (sam
   python scripts/bench_vllm.py                      # starts scripts/serve_vllm.sh itself
   python scripts/bench_vllm.py --url http://127.0.0.1:8011 --skip-local
   python scripts/bench_vllm.py --batch-sizes 8,32 --max-new-tokens 64 --out bench_vllm.json
+
+Whole runs (`--demo-steps N`): the demo config (`--config`, default configs/arith_cpu.yaml) trained for
+N steps by `python -m workers run`, once with the vLLM engine and once with the local engine, one after
+the other. Reported per run, from its run dir: rollout tokens/s while generating (training completion
+tokens / the union of the groups' generate intervals, from the generation worker's `group generated`
+log lines), weight sync per version (published -> served, weight-sync worker) and the engine's load
+time, seconds per training step, and held-out eval accuracy by version.
+
+  python scripts/bench_vllm.py --demo-steps 20 --batch-sizes "" --syncs 0 --out bench/vllm_demo.json
 """
 
 from __future__ import annotations
@@ -21,9 +30,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,6 +75,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch / OMP threads")
     parser.add_argument("--skip-local", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument(
+        "--demo-steps", type=int, default=0, help="also train the demo config this many steps per engine"
+    )
+    parser.add_argument(
+        "--config", default=str(ROOT / "configs/arith_cpu.yaml"), help="config of the --demo-steps runs"
+    )
+    parser.add_argument(
+        "--run-root", default=None, help="run dirs of the --demo-steps runs (default: a temp dir)"
+    )
     parser.add_argument("--out", help="write rows and the machine description as JSON")
     return parser.parse_args()
 
@@ -81,7 +101,7 @@ async def bench_engine(
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     await engine.generate(make_requests(prompts, 4, 8, "warm"))
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    for batch in [int(b) for b in args.batch_sizes.split(",") if b]:
         requests = make_requests(prompts, batch, args.max_new_tokens, f"b{batch}-")
         started = time.perf_counter()
         results = await engine.generate(requests)
@@ -111,12 +131,105 @@ async def bench_engine(
             await anyio.sleep(1.0)
             busy.append(await engine.load_weights(version, str(dirs[i % 2])))
     for label, values in (("idle", idle), ("busy", busy)):
+        if not values:
+            continue
         mean = sum(values) / len(values)
         rows.append({"engine": name, "sync": label, "seconds_mean": mean, "seconds": values})
         print(
             f"{name:6s} weight sync ({label}): mean {mean:.3f} s over {len(values)} ({', '.join(f'{v:.3f}' for v in values)})"
         )
     return rows
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def _log_events(run_dir: Path, role: str, event: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for p in sorted((run_dir / "logs").glob(f"{role}-*.jsonl"))
+        for e in _jsonl(p)
+        if e.get("event") == event
+    ]
+
+
+def _busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def demo_run(args: argparse.Namespace, engine: str, url: str | None) -> dict[str, Any]:
+    """Train the demo config for --demo-steps with `engine`; summarise its run dir."""
+    from datetime import datetime
+
+    run_dir = Path(args.run_root or tempfile.mkdtemp(prefix="bench_vllm_runs_")) / f"demo-{engine}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = [f"name=bench-{engine}", f"dir={run_dir}", f"trainer.total_steps={args.demo_steps}"]
+    if url is not None:
+        overrides += ["rollout.engine=vllm", f"rollout.server_urls=[{url}]"]
+    cmd = [sys.executable, "-m", "workers", "run", args.config, "--no-live"]
+    for override in overrides:
+        cmd += ["--set", override]
+    print(f"{engine:6s} demo run: {' '.join(cmd)}")
+    started = time.perf_counter()
+    with open(f"{run_dir}.log", "wb") as log_file:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - started
+    steps = _jsonl(run_dir / "metrics.jsonl")
+    evals = _jsonl(run_dir / "eval.jsonl")
+    groups = [e for e in _log_events(run_dir, "generation", "group generated") if e.get("kind") == "train"]
+    intervals = []
+    for group in groups:
+        end = datetime.fromisoformat(group["timestamp"].replace("Z", "+00:00")).timestamp()
+        intervals.append((end - group["seconds"], end))
+    tokens = sum(g["tokens"] for g in groups)
+    busy = _busy_seconds(intervals)
+    served = [
+        e["total_s"]
+        for e in _log_events(run_dir, "weight-sync", "weights served")
+        if e.get("policy_version", 0) > 0
+    ]
+    loads = [
+        e["seconds"]
+        for e in _log_events(run_dir, "generation", "weights loaded")
+        if e.get("policy_version", 0) > 0
+    ]
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    row: dict[str, Any] = {
+        "engine": engine,
+        "demo_steps": args.demo_steps,
+        "returncode": rc,
+        "run_dir": str(run_dir),
+        "wall_s": wall,
+        "steps": len(steps),
+        "rollout_tokens": tokens,
+        "rollout_busy_s": busy,
+        "rollout_tokens_per_s": tokens / busy if busy else None,
+        "sync_total_s_mean": mean(served),
+        "engine_load_s_mean": mean(loads),
+        "step_s_mean": mean([st["step_s"] for st in steps]),
+        "compute_s_mean": mean([st["compute_s"] for st in steps]),
+        "wait_s_mean": mean([st["wait_s"] for st in steps]),
+        "eval_curve": [(e["policy_version"], e["eval/accuracy"]) for e in evals],
+    }
+    curve = ", ".join(f"v{v} {a:.3f}" for v, a in row["eval_curve"])
+    print(
+        f"{engine:6s} demo: rc {rc}, {len(steps)} steps in {wall:.0f} s, step {row['step_s_mean'] or 0:.2f} s, "
+        f"rollout {row['rollout_tokens_per_s'] or 0:.1f} tok/s, sync {row['sync_total_s_mean'] or 0:.2f} s "
+        f"(engine load {row['engine_load_s_mean'] or 0:.2f} s), eval {curve}"
+    )
+    return row
 
 
 def start_server(
@@ -184,12 +297,16 @@ async def main() -> None:
         try:
             async with VLLMEngine([url]) as engine:
                 rows += await bench_engine(engine, "vllm", prompts, args, dirs)
+            if args.demo_steps:
+                rows.append(await anyio.to_thread.run_sync(demo_run, args, "vllm", url))
         finally:
             if process is not None:
                 stop_server(process)
     if not args.skip_local:
         async with LocalEngine(model_dir, dtype="float32", max_batch_size=32) as engine:
             rows += await bench_engine(engine, "local", prompts, args, dirs)
+        if args.demo_steps:
+            rows.append(await anyio.to_thread.run_sync(demo_run, args, "local", None))
     machine = {
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

@@ -186,6 +186,15 @@ class Generator:
                 await delivery.ack()
                 tg.cancel_scope.cancel()
             self.tasks_done += 1
+            log.info(
+                "group generated",
+                task_id=task.task_id,
+                kind=task.kind,
+                tokens=int(group.timings["tokens"]),
+                seconds=round(group.timings["generate_s"], 3),
+                head_version=group.head_version,
+                tail_version=group.tail_version,
+            )
         finally:
             self.active -= 1
             self.release(self.completions_for(task))
