@@ -190,7 +190,24 @@ class RolloutConfig:
     num_threads: int | None = None
     """torch threads of a generation worker (None: torch's default)."""
 
+    cuda_graphs: bool = False
+    """Local engine on CUDA: capture each decode step in a CUDA graph and replay it."""
+
+    compile: bool = False
+    """Local engine with ``cuda_graphs``: torch.compile the decode and prefill forwards once each
+    (minutes of warm-up on the first requests; docs/benchmarks.md has the speed-ups)."""
+
     def __post_init__(self) -> None:
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"cuda_graphs=true needs a CUDA device, got device={self.device!r}; "
+                "set rollout.device=cuda or rollout.cuda_graphs=false"
+            )
+        if self.compile and not self.cuda_graphs:
+            raise ValueError(
+                "compile=true compiles the graph-captured decode step, so it needs cuda_graphs=true; "
+                "set rollout.cuda_graphs=true (and rollout.device=cuda) or rollout.compile=false"
+            )
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group advantages, got {self.group_size}")
         _non_negative(self, "max_staleness")

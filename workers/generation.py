@@ -55,6 +55,8 @@ def make_engine(ctx: WorkerContext, model_path: str) -> InferenceEngine:
             max_batch_size=cfg.rollout.max_batch_size,
             engine_id=ctx.worker_id,
             seed=cfg.seed,
+            cuda_graphs=cfg.rollout.cuda_graphs,
+            compile=cfg.rollout.compile,
         )
     if cfg.rollout.engine == "vllm":
         # The servers were started on model_path (scripts/serve_vllm.sh); weight dirs must be readable there.

@@ -10,14 +10,20 @@ Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
 - Prefill: joining requests are prefilled together (left-padded, in chunks of at most
   `max_prefill_tokens` padded tokens) in their own forward, then their KV rows join the batch.
   A prompt shared by several requests (the samples of one group) is computed once and its KV
-  copied to each of them; a request resuming after a weight load then adds its own tokens so far
-  in a second forward on top (`prefill_tokens` counts the tokens computed).
+  copied to each of them (`prefill_tokens` counts the tokens computed). A request resuming after a
+  weight load adds its own tokens so far: on top of the shared prompt in a second forward
+  ("dynamic"), or as one token row of its own ("slots").
 - KV layouts (`kv_cache`), same guarantees, pick by speed:
-  - "slots" (default): preallocated per-slot buffers, one column written in place per decode step,
-    finished rows replaced by moving rows from the end; no per-step cache copies. Capacity grows to
-    the longest admitted prompt + max_new_tokens. On CUDA, `cuda_graphs=True` captures the decode
-    forward per (batch bucket, length bucket) and replays it. A grouped-query (GQA) sdpa model
-    decodes with its query heads grouped under their K/V head (`packed_gqa_sdpa`), so the K/V
+  - "slots" (default): preallocated per-slot buffers; a prefill writes a joining row's tokens
+    straight into its slot, a decode step one column per row, in place; finished rows are replaced
+    by moving rows from the end; no per-step cache copies. Capacity grows to the longest admitted
+    prompt + max_new_tokens. On CUDA, `cuda_graphs=True` captures the decode step (forward and the
+    draws of rows without top-k / top-p) per (batch bucket, length bucket) and replays it; finished
+    rows then keep their slots until rows join or the batch fits a smaller graph. `compile=True`
+    (needs `cuda_graphs=True`, else ValueError) also `torch.compile`s the decode forward and the
+    prefill once each, dynamic in batch, length and capacity (minutes for a 0.5B model, paid by the
+    first requests), and the graphs capture the compiled forward. A grouped-query (GQA) sdpa
+    model decodes with its query heads grouped under their K/V head (`packed_gqa_sdpa`), so the K/V
     heads are never repeated per query head.
   - "dynamic": one left-padded transformers DynamicCache; rows are dropped / merged by copying, and
     leading all-padding columns are trimmed.
@@ -26,9 +32,10 @@ Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
 - Log-probs: temperature, then top-k, then top-p shape the distribution a token is sampled from; the
   reported log-prob is under exactly that distribution. Temperature 0 is greedy and reports the log-prob
   under the raw (temperature 1, unfiltered) softmax.
-- Seeds: a request with `seed` samples from its own torch.Generator, so its completion depends only on
-  seed, prompt and weights (not on what else is in the batch, up to float noise of batched matmuls).
-  Requests without a seed draw from the engine generator seeded with `seed`.
+- Seeds: a request with `seed` samples from its own torch.Generator (one uniform per token, drawn 64 at
+  a time), so its completion depends only on seed, prompt and weights (not on what else is in the
+  batch, up to float noise of batched matmuls). Requests without a seed draw from the engine generator
+  seeded with `seed`.
 - Interruption: `load_weights` reads the checkpoint off the decode thread, then the decode thread pauses
   at its next step boundary, copies the tensors into the model in place, drops the KV cache, sets the
   new version, and re-prefills every running request from prompt + tokens so far before sampling again.
@@ -77,6 +84,10 @@ def cache_kwarg(model: PreTrainedModel, cache: Cache) -> dict[str, Cache]:
 
     An unknown keyword would be swallowed by ``**kwargs`` and the cache silently left empty.
     """
+    return {_cache_name(model): cache}
+
+
+def _cache_name(model: PreTrainedModel) -> str:
     name = _CACHE_KWARG.get(type(model))
     if name is None:
         import inspect
@@ -84,7 +95,7 @@ def cache_kwarg(model: PreTrainedModel, cache: Cache) -> dict[str, Cache]:
         params = inspect.signature(type(model).forward).parameters
         name = "cache" if "cache" in params else "past_key_values"
         _CACHE_KWARG[type(model)] = name
-    return {name: cache}
+    return name
 
 
 _CACHE_KWARG: dict[type, str] = {}
@@ -92,6 +103,7 @@ _CACHE_KWARG: dict[type, str] = {}
 log = structlog.get_logger(__name__)
 
 _NO_TOP_P = 2.0  # a top_p the cumulative mass never reaches, so float rounding never filters a token
+_UNIFORM_BLOCK = 64  # a seeded request draws its sampling uniforms this many at a time
 
 
 @dataclass(eq=False)
@@ -119,10 +131,19 @@ class _Sequence:
     admitted_at: float = 0.0
     admit_step: int = -1
     prefills: int = 0
+    uniforms: list[float] = field(default_factory=list)
+    """Drawn from `generator` but not used yet, the next one last."""
 
     @property
     def sampling(self) -> SamplingParams:
         return self.request.sampling
+
+    def next_uniform(self) -> float:
+        """The next uniform of this request's own stream (one CPU call per block, not per token)."""
+        assert self.generator is not None
+        if not self.uniforms:
+            self.uniforms = torch.rand(_UNIFORM_BLOCK, generator=self.generator).tolist()[::-1]
+        return self.uniforms.pop()
 
     @property
     def length(self) -> int:
@@ -140,6 +161,18 @@ class _WeightLoad:
     done: anyio.Event
     error: BaseException | None = None
     pause_s: float = 0.0
+
+
+@dataclass(eq=False)
+class _DecodeRows:
+    """Host inputs of one decode step, one entry per KV row (a finished row that still holds its slot
+    gets a harmless stand-in: token 0 at position 0, temperature 1)."""
+
+    ids: list[int]
+    positions: list[int]
+    temperatures: list[float]
+    uniforms: list[float]
+    greedy: list[bool]
 
 
 class _BatchKV:
@@ -183,18 +216,24 @@ class _BatchKV:
         self.select(keep)
         return keep
 
-    def reserve(self, tokens: int) -> None:
-        """Make room for rows of up to `tokens` tokens (a DynamicCache grows by itself)."""
+    def compacts(self, live: int) -> bool:
+        """Whether finished rows leave now; here always, as each row costs every cache copy."""
+        return True
 
     def admit(self, new: _BatchKV) -> None:
         """Append the rows of a prefilled (left-padded) batch after the current rows."""
         self.merge(list(range(self.rows)), new)
 
     def decode(
-        self, model: PreTrainedModel, ids_B1: torch.Tensor, positions_B1: torch.Tensor, span: int
-    ) -> torch.Tensor:
-        """One decode forward for all rows (`span` = longest row incl. the new token); logits [B, V]."""
-        assert self.mask is not None and self.rows == ids_B1.shape[0]
+        self, model: PreTrainedModel, rows: _DecodeRows, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode forward for all rows (`span` = longest row incl. the new token).
+
+        Returns the logits [B, V] and no fused draws (the caller samples)."""
+        assert self.mask is not None and self.rows == len(rows.ids)
+        device = self.mask.device
+        ids_B1 = torch.tensor(rows.ids, device=device)[:, None]
+        positions_B1 = torch.tensor(rows.positions, device=device)[:, None]
         mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], dim=1)
         out = model(
             input_ids=ids_B1,
@@ -204,7 +243,7 @@ class _BatchKV:
             **cache_kwarg(model, self.cache),
         )
         self.mask = mask
-        return out.logits[:, -1]
+        return out.logits[:, -1], None
 
     def merge(self, keep: list[int], new: _BatchKV) -> None:
         """Rows `keep` of this batch followed by all rows of `new`, left-padded to a common length."""
@@ -292,21 +331,28 @@ AttentionMaskInterface.register(PACKED_GQA_SDPA, sdpa_mask)
 
 
 class _SlotLayer(CacheLayerMixin):
-    """One layer's view of `_SlotKV` for one decode forward (query length 1).
+    """One layer's view of `_SlotKV` for one forward.
 
-    `update` writes each row's new K/V at that row's position in place, then returns the first `span`
-    columns; all shapes and addresses are fixed, so the forward can be captured in a CUDA graph.
+    `update` writes token t of input row b at slot `rows[b]`, column `positions[b, t]`, in place. A decode
+    (`span` set) then attends over the first `span` columns of slots 0..B-1, whose rows it is; a prefill
+    (`span` None) attends over its own new tokens only (its rows start empty). Shapes and addresses depend
+    only on (B, T, span), so a decode forward can be captured in a CUDA graph.
     """
 
     is_sliding = False
     is_compileable = True
 
     def __init__(
-        self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, span: int
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows_B: torch.Tensor,
+        positions_BT: torch.Tensor,
+        span: int | None,
     ) -> None:
         super().__init__()
         self.keys, self.values = keys, values
-        self.rows, self.positions, self.span = rows, positions, span
+        self.rows_B1, self.positions_BT, self.span = rows_B[:, None], positions_BT, span
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -316,32 +362,127 @@ class _SlotLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.keys is not None and self.values is not None
-        self.keys[self.rows, :, self.positions] = key_states[:, :, 0]
-        self.values[self.rows, :, self.positions] = value_states[:, :, 0]
-        return self.keys[:, :, : self.span], self.values[:, :, : self.span]
+        self.keys[self.rows_B1, :, self.positions_BT] = key_states.transpose(1, 2)
+        self.values[self.rows_B1, :, self.positions_BT] = value_states.transpose(1, 2)
+        if self.span is None:
+            return key_states, value_states
+        batch = key_states.shape[0]
+        return self.keys[:batch, :, : self.span], self.values[:batch, :, : self.span]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.span, 0
+        return (query_length if self.span is None else self.span), 0
 
     def get_seq_length(self) -> int:
-        return self.span - 1
+        return 0 if self.span is None else self.span - 1
 
     def get_max_length(self) -> int:
         assert self.keys is not None
         return self.keys.shape[2]
 
 
-class _SlotKV:
-    """Preallocated KV slots [max_rows, kv_heads, capacity, head_dim] per layer, rows kept compact.
+def _slot_forward(
+    model: PreTrainedModel,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    ids_BT: torch.Tensor,
+    positions_BT: torch.Tensor,
+    rows_B: torch.Tensor,
+    mask: torch.Tensor,
+    span: int | None,
+    cache_name: str,
+) -> torch.Tensor:
+    """Forward `ids` through the model, K/V written into the slots (see `_SlotLayer`); logits of each
+    row's last input column [B, V]. `mask` [B, 1, T, keys] is boolean (sdpa) or additive (eager)."""
+    layers = [_SlotLayer(k, v, rows_B, positions_BT, span) for k, v in zip(keys, values, strict=True)]
+    out = model(
+        input_ids=ids_BT,
+        attention_mask=mask,
+        position_ids=positions_BT,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_name: Cache(layers=layers)},
+    )
+    return out.logits[:, -1]
 
-    Row i holds its tokens at columns 0..length-1 (no padding); a decode step writes one column per row
-    in place and attends over the first `span` columns with a [B, 1, 1, span] mask (col <= position).
-    Finished rows are replaced by moving rows from the end (only moved rows are copied). With
-    `graphs` (CUDA only) each decode forward is captured once per (batch bucket, span bucket) in a CUDA
-    graph and replayed; weights are loaded in place, so graphs stay valid across weight updates.
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as eager attention takes it: 0 where attended, the dtype's minimum elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def slot_decode_forward(
+    model: PreTrainedModel,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    inputs_B5: torch.Tensor,
+    columns_S: torch.Tensor,
+    additive: bool,
+    cache_name: str,
+) -> torch.Tensor:
+    """One decode forward of slots 0..B-1 over their first `S = len(columns_S)` columns; logits [B, V].
+
+    `inputs_B5` columns: token id, position, temperature, uniform, greedy (1.0) per slot, as float32
+    (exact for ids and positions below 2**24), so that one host-to-device copy feeds the step.
+    """
+    ids_B1 = inputs_B5[:, 0:1].long()
+    positions_B1 = inputs_B5[:, 1:2].long()
+    rows_B = torch.arange(ids_B1.shape[0], device=ids_B1.device)
+    mask = (columns_S[None, :] <= positions_B1)[:, None, None, :]
+    if additive:
+        mask = _additive(mask, keys[0].dtype)
+    return _slot_forward(
+        model, keys, values, ids_B1, positions_B1, rows_B, mask, columns_S.shape[0], cache_name
+    )
+
+
+def decode_draws(logits_BV: torch.Tensor, inputs_B5: torch.Tensor) -> torch.Tensor:
+    """One draw per row of `slot_decode_forward`'s logits from its tempered, unfiltered distribution
+    (`draw_tokens`); returns token ids and their log-probs [2, B] as float64 (one copy to the host).
+    Rows with top-k / top-p are sampled from the logits instead."""
+    tokens_B, logprobs_B = draw_tokens(
+        logits_BV.float() / inputs_B5[:, 2:3], inputs_B5[:, 3], inputs_B5[:, 4] > 0
+    )
+    return torch.stack([tokens_B.double(), logprobs_B.double()])
+
+
+def slot_prefill_step(
+    model: PreTrainedModel,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    ids_BT: torch.Tensor,
+    positions_BT: torch.Tensor,
+    rows_B: torch.Tensor,
+    additive: bool,
+    cache_name: str,
+) -> torch.Tensor:
+    """Prefill input row b (left-padded) into the empty slot `rows_B[b]`; logits of its last token.
+
+    Causal by position: a token attends to the tokens of its row at positions <= its own. Padding
+    tokens take the positions after the row's last token, so no real token sees them (their K/V land
+    in columns the row's decode steps overwrite before reading)."""
+    mask = (positions_BT[:, None, :] <= positions_BT[:, :, None])[:, None]
+    if additive:
+        mask = _additive(mask, keys[0].dtype)
+    return _slot_forward(model, keys, values, ids_BT, positions_BT, rows_B, mask, None, cache_name)
+
+
+class _SlotKV:
+    """Preallocated KV slots [max_rows + 1, kv_heads, capacity, head_dim] per layer, rows kept compact.
+
+    Row i holds its tokens at columns 0..length-1 (no padding); a prefill writes a joining row's tokens
+    straight into its slot, a decode step writes one column per row in place and attends over the first
+    `span` columns with a [B, 1, 1, span] mask (col <= position). The last slot is scratch (padding rows
+    of a compiled prefill write there). Finished rows leave by moving rows from the end into their slots
+    (only moved rows are copied); with CUDA graphs that waits until rows join or the batch fits a smaller
+    graph, and a finished row decodes a stand-in token meanwhile.
+
+    With `graphs` (CUDA only) each decode step (forward + draws) is captured once per (batch bucket,
+    span bucket) in a CUDA graph and replayed; weights are loaded in place, so graphs stay valid across
+    weight updates. With `compile` the decode forward and the prefill are `torch.compile`d once each,
+    dynamic in batch, length and capacity; the graphs capture the compiled forward and the draws.
     """
 
-    def __init__(self, model: PreTrainedModel, max_rows: int, *, graphs: bool) -> None:
+    def __init__(self, model: PreTrainedModel, max_rows: int, *, graphs: bool, compile: bool) -> None:
         config = model.config.get_text_config()
         self.layers = int(config.num_hidden_layers)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
@@ -356,21 +497,47 @@ class _SlotKV:
         if attention not in ("sdpa", "eager", PACKED_GQA_SDPA):
             raise NotImplementedError(f"kv_cache='slots' supports sdpa or eager attention, not {attention!r}")
         self.additive_mask = attention == "eager"  # eager adds the mask to the scores; sdpa takes bools
-        self.graphs = graphs
+        self.cache_name = _cache_name(model)
+        self.graphs, self.compile = graphs, compile
         self.granularity = 256 if graphs else 64
+        self.slots = max_rows + 1
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.capacity = 0
         self.rows = 0
-        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._columns = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
-        self._static_ids = torch.zeros(max_rows, 1, dtype=torch.long, device=self.device)
-        self._static_positions = torch.zeros(max_rows, 1, dtype=torch.long, device=self.device)
-        buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b < max_rows]
-        self._batch_buckets = [*buckets, max_rows]
+        cuda = self.device.type == "cuda"
+        self._host = torch.zeros(self.slots, 5, dtype=torch.float32, pin_memory=cuda)
+        self._inputs = (
+            torch.zeros(self.slots, 5, dtype=torch.float32, device=self.device) if cuda else self._host
+        )
+        # a size-1 dimension would be specialised by torch.compile (one more compile): start at 2
+        smallest = 2 if compile else 1
+        buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if smallest <= b < max_rows]
+        self._batch_buckets = [*buckets, max(max_rows, smallest)]
+        self._decode_forward: Any = slot_decode_forward
+        self._prefill_step: Any = slot_prefill_step
+        if compile:
+            # The draws stay uncompiled (captured as they are): on torch 2.11 Inductor fails to
+            # generate their vocabulary-wide reductions (argmax, then the cumsum's split scan) over
+            # 152k columns with a dynamic batch.
+            self._decode_forward = torch.compile(slot_decode_forward)
+            self._prefill_step = torch.compile(slot_prefill_step)
 
     def clear(self) -> None:
         self.rows = 0
+
+    def compacts(self, live: int) -> bool:
+        """Whether finished rows leave now. Eagerly a dead row costs its share of every step; in a
+        graph it costs next to nothing until the batch would fit a smaller graph."""
+        if not self.graphs or live == 0:
+            return live < self.rows
+        return self._bucket(live) < self._bucket(self.rows)
+
+    def _bucket(self, rows: int) -> int:
+        return next(b for b in self._batch_buckets if b >= rows)
 
     def reserve(self, tokens: int) -> None:
         if tokens <= self.capacity:
@@ -378,14 +545,19 @@ class _SlotKV:
         capacity = -(-tokens // self.granularity) * self.granularity
         if self.max_positions is not None:
             capacity = max(tokens, min(capacity, self.max_positions))
-        shape = (self.max_rows, self.kv_heads, capacity, self.head_dim)
+        shape = (self.slots, self.kv_heads, capacity, self.head_dim)
         old = self.capacity
         keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         for new_k, new_v, old_k, old_v in zip(keys, values, self.keys, self.values, strict=False):
             new_k[:, :, :old] = old_k
             new_v[:, :, :old] = old_v
+        if self.compile:  # one compiled graph for every engine size and capacity
+            for tensor in (*keys, *values):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(tensor, 2)
         self.keys, self.values, self.capacity = keys, values, capacity
+        self._columns = torch.arange(capacity, device=self.device)
         self._captured.clear()  # graphs point at the old buffers
         self._pool = None
         log.debug("kv slots resized", rows=self.max_rows, capacity=capacity)
@@ -397,114 +569,162 @@ class _SlotKV:
         if holes:
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(movers, device=self.device)
-            for tensors in (self.keys, self.values):
-                for t in tensors:
-                    t.index_copy_(0, dst, t.index_select(0, src))
+            self.copy_rows(dst, src)
         order = list(range(kept))
         for hole, mover in zip(holes, movers, strict=True):
             order[hole] = mover
         self.rows = kept
         return order
 
-    def admit(self, new: _BatchKV) -> None:
-        assert new.cache is not None and new.mask is not None
-        count, width = new.mask.shape
-        assert self.rows + count <= self.max_rows and width <= self.capacity
-        # a row's tokens sit at its mask's 1-columns (padding before them, and between prompt and
-        # tokens after a re-prefill); move them to columns 0.. in order (what follows is never read)
-        index = torch.argsort((new.mask == 0).to(torch.int8), dim=1, stable=True)
-        index = index[:, None, :, None].expand(count, self.kv_heads, width, self.head_dim)
-        start, stop = self.rows, self.rows + count
-        for layer, keys, values in zip(new.cache.layers, self.keys, self.values, strict=True):
-            keys[start:stop, :, :width] = layer.keys.gather(2, index)
-            values[start:stop, :, :width] = layer.values.gather(2, index)
-        self.rows = stop
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the K/V of slots `src` into slots `dst` (every layer, every column)."""
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                t.index_copy_(0, dst, t.index_select(0, src))
+
+    def prefill(
+        self, model: PreTrainedModel, sequences: list[Sequence[int]], slots: list[int]
+    ) -> torch.Tensor:
+        """Write the K/V of token rows `sequences` into the empty `slots` (one forward, left-padded);
+        return the logits of each row's last token [len(sequences), V]."""
+        count, length = len(sequences), max(len(t) for t in sequences)
+        rows = list(slots)
+        if self.compile:  # pad to >= 2 rows of >= 2 tokens: torch.compile specialises size-1 dims
+            length = max(length, 2)
+            rows += [self.max_rows] * max(0, 2 - count)
+            sequences = [*sequences, *[[0]] * (len(rows) - count)]
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        lengths = torch.tensor([len(t) for t in sequences])
+        for i, tokens in enumerate(sequences):
+            ids[i, length - len(tokens) :] = torch.tensor(tokens)
+        # tokens get positions 0..L-1 in their columns; the padding before them L..length-1
+        positions = (torch.arange(length)[None, :] - (length - lengths)[:, None]) % length
+        ids, positions = ids.to(self.device), positions.to(self.device)
+        rows_B = torch.tensor(rows, device=self.device)
+        if self.compile:
+            for tensor in (ids, positions):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            torch._dynamo.maybe_mark_dynamic(rows_B, 0)
+        with _static_shape_names():
+            logits = self._prefill_step(
+                model, self.keys, self.values, ids, positions, rows_B, self.additive_mask, self.cache_name
+            )
+        return logits[:count]
 
     def decode(
-        self, model: PreTrainedModel, ids_B1: torch.Tensor, positions_B1: torch.Tensor, span: int
-    ) -> torch.Tensor:
-        rows = self.rows
+        self, model: PreTrainedModel, rows: _DecodeRows, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of all rows; returns the logits [B, V] and the draws [2, B] of
+        `decode_draws` (valid for rows without top-k / top-p)."""
+        count = self.rows
+        assert len(rows.ids) == count
+        batch = self._bucket(count) if self.graphs else count
+        host = self._host.numpy()
+        for column, values in enumerate(
+            (rows.ids, rows.positions, rows.temperatures, rows.uniforms, rows.greedy)
+        ):
+            host[:count, column] = values
+        host[count:batch] = (0.0, 0.0, 1.0, 0.0, 0.0)  # padding rows: token 0 at column 0
+        inputs = self._inputs[:batch]
+        if inputs.data_ptr() != self._host.data_ptr():
+            inputs.copy_(self._host[:batch], non_blocking=True)
         if not self.graphs:
-            return self._forward(model, rows, span, ids_B1, positions_B1)
-        batch = next(b for b in self._batch_buckets if b >= rows)
+            return self._call_decode_step(model, inputs, self._columns[:span])
         span = min(-(-span // self.granularity) * self.granularity, self.capacity)
-        self._static_ids[:rows] = ids_B1
-        self._static_positions[:rows] = positions_B1
-        self._static_ids[rows:batch] = 0
-        self._static_positions[rows:batch] = 0
         key = (batch, span)
         if key not in self._captured:
             self._captured[key] = self._capture(model, batch, span)
-        graph, logits = self._captured[key]
+        graph, logits, draws = self._captured[key]
         graph.replay()
-        return logits[:rows]
-
-    def _forward(
-        self, model: PreTrainedModel, rows: int, span: int, ids_B1: torch.Tensor, positions_B1: torch.Tensor
-    ) -> torch.Tensor:
-        positions_B = positions_B1[:, 0]
-        row_index = torch.arange(rows, device=self.device)
-        mask = (torch.arange(span, device=self.device)[None, :] <= positions_B[:, None])[:, None, None, :]
-        if self.additive_mask:
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(
-                ~mask, torch.finfo(self.dtype).min
-            )
-        layers = [
-            _SlotLayer(k[:rows], v[:rows], row_index, positions_B, span)
-            for k, v in zip(self.keys, self.values, strict=True)
-        ]
-        out = model(
-            input_ids=ids_B1,
-            attention_mask=mask,
-            position_ids=positions_B1,
-            use_cache=True,
-            **cache_kwarg(model, Cache(layers=layers)),
-        )
-        return out.logits[:, -1]
+        return logits[:count], draws[:, :count]
 
     def _capture(
         self, model: PreTrainedModel, batch: int, span: int
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        ids, positions = self._static_ids[:batch], self._static_positions[:batch]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        inputs, columns = self._inputs[:batch], self._columns[:span]
         # Warm-up (and capture) rewrite the current step's K/V with identical values: harmless.
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(model, batch, span, ids, positions)
+            for _ in range(2):  # the first call of a compiled step compiles it
+                self._call_decode_step(model, inputs, columns)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(model, batch, span, ids, positions)
+            logits, draws = self._call_decode_step(model, inputs, columns)
         self._pool = graph.pool()
-        log.debug("decode graph captured", batch=batch, span=span)
-        return graph, logits
+        log.debug("decode graph captured", batch=batch, span=span, compiled=self.compile)
+        return graph, logits, draws
+
+    def _call_decode_step(
+        self, model: PreTrainedModel, inputs: torch.Tensor, columns: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.compile:
+            torch._dynamo.maybe_mark_dynamic(inputs, 0)
+            torch._dynamo.maybe_mark_dynamic(columns, 0)
+        with _static_shape_names():
+            logits = self._decode_forward(
+                model, self.keys, self.values, inputs, columns, self.additive_mask, self.cache_name
+            )
+        return logits, decode_draws(logits, inputs)
+
+
+def _static_shape_names() -> Any:
+    """Keep torch.compile from equating dimensions that happen to be equal at the first call (a batch
+    of 256 in slots of capacity 256), which would cost a recompile when they differ later."""
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)
+
+
+def draw_tokens(
+    scores_BV: torch.Tensor, uniforms_B: torch.Tensor, greedy_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of softmax(scores) by inverse CDF with `uniforms_B`, the argmax where `greedy_B`;
+    returns (token ids [B], their log-probs under softmax(scores) [B]).
+
+    A greedy row walks the CDF of its maximal scores with u = 0, which lands on the first of them (as
+    `argmax` does) without an arg-reduction over the vocabulary. A zero-probability token never raises
+    the CDF, so `right=True` never lands on it."""
+    logprobs_BV = scores_BV.log_softmax(dim=-1)
+    top_B1 = scores_BV.amax(dim=-1, keepdim=True)
+    weights_BV = torch.where(greedy_B[:, None], (scores_BV == top_B1).float(), logprobs_BV.exp())
+    cdf_BV = weights_BV.cumsum(dim=-1)
+    # keep u * total strictly below the total despite float32 rounding
+    u_B = torch.where(greedy_B, 0.0, uniforms_B.clamp(max=1 - 1e-6))
+    tokens_B = torch.searchsorted(cdf_BV, u_B[:, None] * cdf_BV[:, -1:], right=True)[:, 0]
+    tokens_B = tokens_B.clamp(max=scores_BV.shape[-1] - 1)
+    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
+
+
+def is_filtered(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-k or top-p cut this request's distribution (never for greedy rows)."""
+    if params.temperature == 0:
+        return False
+    return bool(params.top_k and params.top_k < vocab) or params.top_p < 1
 
 
 def sample_tokens(
-    logits_BV: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-    fallback: torch.Generator,
+    logits_BV: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (token ids [B], log-probs [B] under the sampled distribution).
 
     Per row: temperature, then top-k, then top-p, then inverse-CDF sampling from the processed
-    distribution with one uniform drawn from the row's generator (or `fallback`); generators are CPU
-    generators whatever the logits' device. Temperature 0 rows take the argmax and report the log-prob
-    under the raw softmax.
+    distribution with that row's uniform in [0, 1). Temperature 0 rows take the argmax and report the
+    log-prob under the raw softmax.
     """
     logits_BV = logits_BV.float()
-    batch, vocab = logits_BV.shape
+    vocab = logits_BV.shape[1]
     device = logits_BV.device
     greedy = [p.temperature == 0 for p in params]
     temps = torch.tensor(
         [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], device=device
     )
     scores_BV = logits_BV / temps[:, None]
-    top_k = [p.top_k if p.top_k and not g else vocab for g, p in zip(greedy, params, strict=True)]
-    top_p = [p.top_p if p.top_p < 1 and not g else _NO_TOP_P for g, p in zip(greedy, params, strict=True)]
-    if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
+    if any(is_filtered(p, vocab) for p in params):
+        top_k = [p.top_k if p.top_k and not g else vocab for g, p in zip(greedy, params, strict=True)]
+        top_p = [p.top_p if p.top_p < 1 and not g else _NO_TOP_P for g, p in zip(greedy, params, strict=True)]
         sorted_BV, order_BV = scores_BV.sort(dim=-1, descending=True)
         kth_B1 = sorted_BV.gather(1, torch.tensor(top_k, device=device)[:, None].clamp(max=vocab) - 1)
         sorted_BV = sorted_BV.masked_fill(sorted_BV < kth_B1, float("-inf"))
@@ -515,24 +735,11 @@ def sample_tokens(
         drop_sorted_BV[:, 0] = False
         drop_BV = torch.zeros_like(drop_sorted_BV).scatter(1, order_BV, drop_sorted_BV)
         scores_BV = scores_BV.masked_fill(drop_BV, float("-inf"))
-    logprobs_BV = scores_BV.log_softmax(dim=-1)
-    # Inverse-CDF sampling: one uniform per row (cheap on CPU, unlike a vocab-sized noise draw). A
-    # zero-probability token never raises the CDF, so `right=True` never lands on it.
-    uniforms = [0.0] * batch
-    shared = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
-    for i, u in zip(shared, torch.rand(len(shared), generator=fallback).tolist(), strict=True):
-        uniforms[i] = u
-    for i, generator in enumerate(generators):
-        if generator is not None and not greedy[i]:
-            uniforms[i] = float(torch.rand(1, generator=generator))
-    cdf_BV = logprobs_BV.exp().cumsum(dim=-1)
-    # keep u * total strictly below the total despite float32 rounding
-    u_B1 = torch.tensor(uniforms, device=device).clamp(max=1 - 1e-6)[:, None] * cdf_BV[:, -1:]
-    tokens_B = torch.searchsorted(cdf_BV, u_B1, right=True)[:, 0].clamp(max=vocab - 1)
-    if any(greedy):
-        greedy_B = torch.tensor(greedy, device=device)
-        tokens_B = torch.where(greedy_B, logprobs_BV.argmax(dim=-1), tokens_B)
-    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
+    return draw_tokens(
+        scores_BV,
+        torch.tensor(list(uniforms), dtype=torch.float32, device=device),
+        torch.tensor(greedy, device=device),
+    )
 
 
 class LocalEngine(InferenceEngine):
@@ -551,12 +758,18 @@ class LocalEngine(InferenceEngine):
         max_prefill_tokens: int = 8192,
         kv_cache: Literal["dynamic", "slots"] = "slots",
         cuda_graphs: bool = False,
+        compile: bool = False,
         prefill_min_rows: int | None = None,
     ) -> None:
         if kv_cache not in ("dynamic", "slots"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'slots', got {kv_cache!r}")
         if cuda_graphs and (kv_cache != "slots" or torch.device(device).type != "cuda"):
             raise ValueError("cuda_graphs=True needs kv_cache='slots' and a CUDA device")
+        if compile and not cuda_graphs:
+            raise ValueError(
+                "compile=True needs cuda_graphs=True (so kv_cache='slots' and a CUDA device): the "
+                "compiled decode step is replayed from CUDA graphs"
+            )
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_prefill_tokens < 1:
@@ -598,7 +811,9 @@ class LocalEngine(InferenceEngine):
         self._rows: list[_Sequence] = []  # decode thread only, in KV row order
         self._joiners: list[_Sequence] = []  # decode thread only, being admitted this step
         self._kv: _BatchKV | _SlotKV = (
-            _SlotKV(self.model, max_batch_size, graphs=cuda_graphs) if kv_cache == "slots" else _BatchKV()
+            _SlotKV(self.model, max_batch_size, graphs=cuda_graphs, compile=compile)
+            if kv_cache == "slots"
+            else _BatchKV()
         )  # decode thread only
         self._thread: threading.Thread | None = None
         self._token: anyio.lowlevel.EventLoopToken | None = None
@@ -720,7 +935,7 @@ class LocalEngine(InferenceEngine):
             "status": self._status,
             "device": str(self.device),
             "max_batch_size": self.max_batch_size,
-            "running": len(self._rows),
+            "running": sum(1 for s in list(self._rows) if s.alive),
             "waiting": len(self._waiting) + incoming,
             "steps": self.steps,
             "prefill_forwards": self.prefill_forwards,
@@ -837,7 +1052,7 @@ class LocalEngine(InferenceEngine):
 
     def _step(self) -> list[_Sequence]:
         """One scheduling step: retire, admit (prefill), decode. Returns sequences that finished."""
-        # Rows that finished last step were reported then; they leave the KV here.
+        # Rows that finished last step were reported then; they leave the KV when it compacts.
         finished: list[_Sequence] = []
         keep = [i for i, s in enumerate(self._rows) if s.alive]
         joiners = self._joiners
@@ -848,28 +1063,26 @@ class LocalEngine(InferenceEngine):
             if sequence.alive:
                 joiners.append(sequence)
         with torch.inference_mode():
-            rows = [self._rows[i] for i in self._kv.retain(keep)]
+            if joiners or self._kv.compacts(len(keep)):
+                self._rows = [self._rows[i] for i in self._kv.retain(keep)]
             if joiners:
-                new_kv, joiners[:] = self._prefill(joiners)
+                self._rows += self._prefill(joiners)
                 finished += [s for s in joiners if s.finish_reason is not None]
-                live = [s for s in joiners if s.alive]
-                new_kv.select([i for i, s in enumerate(joiners) if s.alive])
-                if live:
-                    self._kv.reserve(max(len(s.request.prompt_ids) + s.sampling.max_new_tokens for s in live))
-                    self._kv.admit(new_kv)
-                rows += live
                 joiners.clear()
-            self._rows = rows
-            if self._rows:
-                self._decode()
-                finished += [s for s in self._rows if s.finish_reason is not None]
+            if any(s.alive for s in self._rows):
+                finished += self._decode()
         return finished
 
-    def _prefill(self, joiners: list[_Sequence]) -> tuple[_BatchKV, list[_Sequence]]:
-        """Prefill joiners (prompt + tokens so far) in chunks of <= max_prefill_tokens padded tokens.
-
-        Returns the joiners' KV and the joiners in its row order (sorted by length, less padding).
-        """
+    def _prefill(self, joiners: list[_Sequence]) -> list[_Sequence]:
+        """Prefill joiners (prompt + tokens so far), add their KV rows after the current rows and sample
+        each one's next token. Returns the sequences that now hold those rows, in row order."""
+        now = time.perf_counter()
+        for s in joiners:
+            if s.prefills == 0:
+                s.admitted_at, s.admit_step = now, self.steps
+            s.prefills += 1
+        if isinstance(self._kv, _SlotKV):
+            return self._prefill_slots(self._kv, joiners)
         order = sorted(range(len(joiners)), key=lambda i: joiners[i].length)
         chunks: list[list[int]] = [[]]
         for i in order:
@@ -881,10 +1094,46 @@ class LocalEngine(InferenceEngine):
         for chunk in chunks:
             kv = self._prefill_chunk([joiners[i] for i in chunk])
             merged.merge(list(range(merged.rows)), kv)
-        return merged, [joiners[i] for chunk in chunks for i in chunk]
+        rows = [joiners[i] for chunk in chunks for i in chunk]
+        merged.select([i for i, s in enumerate(rows) if s.alive])
+        if merged.rows:
+            self._kv.admit(merged)
+        return [s for s in rows if s.alive]
+
+    def _prefill_slots(self, kv: _SlotKV, joiners: list[_Sequence]) -> list[_Sequence]:
+        """Slots: each distinct token row (prompt + tokens so far) is computed once, straight into the
+        slot of its first joiner, in chunks of <= max_prefill_tokens padded tokens; joiners that repeat
+        it (a group's samples) get a copy of that slot. Every joiner keeps a row, finished ones too."""
+        kv.reserve(max(len(s.request.prompt_ids) + s.sampling.max_new_tokens for s in joiners))
+        start = kv.rows
+        tokens = [(*s.request.prompt_ids, *s.token_ids) for s in joiners]
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(t, i) for i, t in enumerate(tokens)]
+        chunks: list[list[int]] = [[]]
+        for i in sorted(first.values(), key=lambda i: len(tokens[i])):
+            chunk = chunks[-1]
+            if chunk and (len(chunk) + 1) * len(tokens[i]) > self.max_prefill_tokens:
+                chunks.append(chunk := [])
+            chunk.append(i)
+        logits = []
+        for chunk in chunks:
+            logits.append(kv.prefill(self.model, [tokens[i] for i in chunk], [start + i for i in chunk]))
+            self.prefill_forwards += 1
+            self.prefill_tokens += sum(len(tokens[i]) for i in chunk)
+        where = {i: k for k, i in enumerate(i for chunk in chunks for i in chunk)}
+        copies = [i for i, j in enumerate(source) if j != i]
+        if copies:
+            kv.copy_rows(
+                torch.tensor([start + i for i in copies], device=self.device),
+                torch.tensor([start + source[i] for i in copies], device=self.device),
+            )
+        kv.rows = start + len(joiners)
+        index = torch.tensor([where[j] for j in source], device=self.device)
+        self._sample(joiners, torch.cat(logits).index_select(0, index))
+        return list(joiners)
 
     def _prefill_chunk(self, sequences: list[_Sequence]) -> _BatchKV:
-        """Prefill `sequences` (prompt + tokens so far) and sample each one's next token.
+        """Dynamic layout: prefill `sequences` (prompt + tokens so far) and sample each one's next token.
 
         Each distinct prompt is computed once (a group's samples share theirs): a forward over the
         distinct prompts (left-padded), their KV copied to every row that shares the prompt, then,
@@ -892,11 +1141,6 @@ class LocalEngine(InferenceEngine):
         those tokens (left-padded) on top. The row mask then has padding before the prompt and
         between prompt and tokens; attention and position ids skip it.
         """
-        now = time.perf_counter()
-        for s in sequences:
-            if s.prefills == 0:
-                s.admitted_at, s.admit_step = now, self.steps
-            s.prefills += 1
         prompts: dict[tuple[int, ...], int] = {}
         group = [prompts.setdefault(tuple(s.request.prompt_ids), len(prompts)) for s in sequences]
         ids, mask = _left_padded([list(p) for p in prompts])
@@ -936,20 +1180,65 @@ class LocalEngine(InferenceEngine):
         self.prefill_tokens += int(mask[:, -ids.shape[1] :].sum())
         return out.logits[:, -1]
 
-    def _decode(self) -> None:
-        rows = self._rows
-        ids = torch.tensor([[s.token_ids[-1]] for s in rows], device=self.device)
-        positions = torch.tensor([[s.length - 1] for s in rows], device=self.device)
-        logits = self._kv.decode(self.model, ids, positions, max(s.length for s in rows))
+    def _decode(self) -> list[_Sequence]:
+        """One decode step of every row; samples the live ones. Returns those that finished."""
+        live = [s for s in self._rows if s.alive]
+        uniforms = self._uniforms(live)
+        next_uniform = iter(uniforms)
+        rows = _DecodeRows([], [], [], [], [])
+        for s in self._rows:
+            if s.alive:
+                temperature = s.sampling.temperature
+                rows.ids.append(s.token_ids[-1])
+                rows.positions.append(s.length - 1)
+                rows.temperatures.append(temperature or 1.0)
+                rows.uniforms.append(next(next_uniform))
+                rows.greedy.append(temperature == 0)
+            else:  # keeps its slot until the KV compacts
+                rows.ids.append(0)
+                rows.positions.append(0)
+                rows.temperatures.append(1.0)
+                rows.uniforms.append(0.0)
+                rows.greedy.append(False)
+        logits_BV, draws_2B = self._kv.decode(self.model, rows, max(s.length for s in live))
         self.steps += 1
-        self._sample(rows, logits)
+        if len(live) < len(self._rows):
+            index = torch.tensor([i for i, s in enumerate(self._rows) if s.alive], device=self.device)
+            logits_BV = logits_BV.index_select(0, index)
+            draws_2B = None if draws_2B is None else draws_2B.index_select(1, index)
+        if draws_2B is None or any(is_filtered(s.sampling, self.vocab_size) for s in live):
+            return self._sample(live, logits_BV, uniforms)
+        tokens, logprobs = draws_2B.cpu().tolist()
+        return self._record(live, [int(t) for t in tokens], logprobs)
 
-    def _sample(self, sequences: list[_Sequence], logits_BV: torch.Tensor) -> None:
-        tokens_B, logprobs_B = sample_tokens(
-            logits_BV, [s.sampling for s in sequences], [s.generator for s in sequences], self._generator
-        )
+    def _uniforms(self, sequences: list[_Sequence]) -> list[float]:
+        """One uniform per sampled (non-greedy) sequence: from its own generator when it has a seed,
+        else from the engine generator (one draw for all of them); 0.0 for greedy ones."""
+        uniforms = [0.0] * len(sequences)
+        shared = [i for i, s in enumerate(sequences) if s.generator is None and s.sampling.temperature != 0]
+        for i, u in zip(shared, torch.rand(len(shared), generator=self._generator).tolist(), strict=True):
+            uniforms[i] = u
+        for i, s in enumerate(sequences):
+            if s.generator is not None and s.sampling.temperature != 0:
+                uniforms[i] = s.next_uniform()
+        return uniforms
+
+    def _sample(
+        self, sequences: list[_Sequence], logits_BV: torch.Tensor, uniforms: list[float] | None = None
+    ) -> list[_Sequence]:
+        """Sample each sequence's next token from its logits row; returns those that finished."""
+        if uniforms is None:
+            uniforms = self._uniforms(sequences)
+        tokens_B, logprobs_B = sample_tokens(logits_BV, [s.sampling for s in sequences], uniforms)
+        return self._record(sequences, tokens_B.tolist(), logprobs_B.tolist())
+
+    def _record(
+        self, sequences: list[_Sequence], tokens: list[int], logprobs: list[float]
+    ) -> list[_Sequence]:
+        """Append one sampled token per sequence; returns those that finished with it."""
         version = self._version
-        for s, token, logprob in zip(sequences, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
+        finished = []
+        for s, token, logprob in zip(sequences, tokens, logprobs, strict=True):
             s.token_ids.append(token)
             s.logprobs.append(logprob)
             s.versions.append(version)
@@ -957,7 +1246,10 @@ class LocalEngine(InferenceEngine):
                 s.finish_reason = "stop"
             elif len(s.token_ids) >= s.sampling.max_new_tokens:
                 s.finish_reason = "length"
+            if s.finish_reason is not None:
+                finished.append(s)
         self.tokens_generated += len(sequences)
+        return finished
 
     # ------------------------------------------------------------ completion
 
@@ -998,7 +1290,8 @@ class LocalEngine(InferenceEngine):
     def _fail(self, sequences: list[_Sequence] | deque[_Sequence], error: BaseException) -> None:
         events = []
         for s in sequences:
-            if s.call.error is None and not s.call.cancelled:
+            # a finished row can still hold a slot; its call may already have all its results
+            if s.call.error is None and not s.call.cancelled and s.call.remaining > 0:
                 s.call.error = error
                 events.append(s.call.done)
         self._signal(events)

@@ -83,6 +83,18 @@ def test_out_of_range_value_explains_the_rule(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_gpu_engine_switches_need_their_prerequisites() -> None:
+    """cuda_graphs needs a CUDA device and compile needs cuda_graphs; each error names the fix."""
+    with pytest.raises(ConfigError, match=r"cuda_graphs=true needs a CUDA device, got device='cpu'"):
+        load_config(None, ["rollout.cuda_graphs=true"])
+    with pytest.raises(
+        ConfigError, match=r"compile=true .* needs cuda_graphs=true; set rollout.cuda_graphs=true"
+    ):
+        load_config(None, ["rollout.device=cuda", "rollout.compile=true"])
+    cfg = load_config(None, ["rollout.device=cuda:1", "rollout.cuda_graphs=true", "rollout.compile=true"])
+    assert cfg.rollout.cuda_graphs and cfg.rollout.compile
+
+
 def test_literal_choice_suggests_the_closest_option(tmp_path: Path) -> None:
     """An invalid enum value lists the choices and the closest one."""
     path = _write(tmp_path, "trainer:\n  loss:\n    behave_cap_mode: clmp\n")

@@ -25,7 +25,16 @@ from areal_async.engines.base import (
     GenerationResult,
     SamplingParams,
 )
-from areal_async.engines.local import PACKED_GQA_SDPA, LocalEngine, packed_gqa_sdpa, sample_tokens
+from areal_async.engines.local import (
+    PACKED_GQA_SDPA,
+    LocalEngine,
+    _DecodeRows,
+    _SlotKV,
+    packed_gqa_sdpa,
+    sample_tokens,
+    slot_decode_forward,
+    slot_prefill_step,
+)
 from areal_async.models import build_tiny_model, load_causal_lm
 
 torch.set_num_threads(1)
@@ -536,7 +545,7 @@ def test_sampler_never_picks_a_filtered_token_and_respects_per_row_params() -> N
     params = [SamplingParams(top_k=1), SamplingParams(temperature=0.5, top_p=0.01)] * 3
     fallback = torch.Generator().manual_seed(1)
     for _ in range(20):
-        tokens, logprobs = sample_tokens(logits, params, [None] * 6, fallback)
+        tokens, logprobs = sample_tokens(logits, params, torch.rand(6, generator=fallback).tolist())
         assert tokens.tolist() == logits.argmax(-1).tolist()
         torch.testing.assert_close(logprobs, torch.zeros(6), atol=1e-6, rtol=0)
 
@@ -546,7 +555,8 @@ def test_sampler_frequencies_follow_the_processed_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
     params = [SamplingParams(temperature=0.8, top_k=4)] * 4000
     fallback = torch.Generator().manual_seed(0)
-    tokens, logprobs = sample_tokens(logits.expand(4000, -1), params, [None] * 4000, fallback)
+    uniforms = torch.rand(4000, generator=fallback).tolist()
+    tokens, logprobs = sample_tokens(logits.expand(4000, -1), params, uniforms)
     expected = (logits[0, :4] / 0.8).softmax(-1)
     counts = torch.bincount(tokens, minlength=6).float() / 4000
     assert counts[4:].sum() == 0
@@ -606,12 +616,56 @@ async def test_slots_engine_decodes_a_gqa_model_with_packed_attention(tiny_qwen_
 
 
 def test_engine_options_are_validated(tiny_a: Path) -> None:
-    """Unknown KV layouts, CUDA graphs without slots/CUDA and empty batches are rejected up front."""
+    """Unknown KV layouts, CUDA graphs without slots/CUDA, compile without CUDA graphs and empty batches
+    are rejected up front."""
     with pytest.raises(ValueError, match="kv_cache"):
         LocalEngine(tiny_a, kv_cache="paged")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cuda_graphs"):
         LocalEngine(tiny_a, kv_cache="slots", cuda_graphs=True)
+    with pytest.raises(ValueError, match="compile=True needs cuda_graphs=True"):
+        LocalEngine(tiny_a, kv_cache="slots", compile=True)
     with pytest.raises(ValueError, match="max_batch_size"):
         LocalEngine(tiny_a, max_batch_size=0)
     with pytest.raises(ValueError, match="prefill_min_rows must be in"):
         LocalEngine(tiny_a, max_batch_size=4, prefill_min_rows=5)
+
+
+def _run_slots(kv: _SlotKV, model: torch.nn.Module) -> list[torch.Tensor]:
+    """Prefill 3 rows, decode 3 steps, admit 2 more rows of other lengths, decode 2 steps; all logits."""
+    kv.reserve(40)
+    out = [kv.prefill(model, [[5, 6, 7], [8] * 9, [9, 10]], [0, 1, 2])]
+    kv.rows = 3
+    lengths = [3, 9, 2]
+    for step in range(5):
+        if step == 3:
+            out.append(kv.prefill(model, [[11] * 4, [12, 13, 14, 15, 16, 17]], [3, 4]))
+            kv.rows, lengths = 5, [*lengths, 4, 6]
+        count = len(lengths)
+        rows = _DecodeRows([20 + step] * count, lengths, [1.0] * count, [0.5] * count, [False] * count)
+        logits, draws = kv.decode(model, rows, max(lengths) + 1)
+        out += [logits, draws]
+        lengths = [n + 1 for n in lengths]
+    return out
+
+
+def test_slot_steps_trace_once_with_dynamic_shapes_under_torch_compile(tiny_qwen_bpe: Path) -> None:
+    """The slots prefill and decode forward trace under torch.compile (dynamo, eager backend here; the
+    engine compiles with inductor on CUDA) with batch, length and span dynamic: the same logits and
+    draws as uncompiled, one graph each, and other batch sizes and prompt lengths never recompile."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = load_causal_lm(tiny_qwen_bpe)
+    model.set_attn_implementation(PACKED_GQA_SDPA)
+    with torch.inference_mode():
+        want = _run_slots(_SlotKV(model, 6, graphs=False, compile=False), model)
+        kv = _SlotKV(model, 6, graphs=False, compile=False)
+        kv.compile = True  # pad and mark dimensions as the compiled engine does
+        kv._decode_forward = torch.compile(slot_decode_forward, backend="eager")
+        kv._prefill_step = torch.compile(slot_prefill_step, backend="eager")
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = _run_slots(kv, model)
+    assert counters["stats"]["unique_graphs"] == 2, "each step traces as one graph, no graph breaks"
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
