@@ -394,8 +394,24 @@ class WeightSyncConfig:
     keep_versions: int = 2
     """Weight directories kept besides those an engine still serves."""
 
+    dir: str | None = None
+    """Root of the published ``v<N>`` weight directories (None: ``<run dir>/weights``); ``{name}`` is
+    the run name. Every engine must be able to read it. On one machine a tmpfs such as
+    ``/dev/shm/areal-{name}`` keeps a version's write off the disk (538 MB: 0.13-0.18 s there, 1.3 s
+    to an ext4 run dir, measured); it holds ``keep_versions`` + 1 or 2 versions in RAM."""
+
     def __post_init__(self) -> None:
         _positive(self, "timeout_s", "keep_versions")
+        if self.dir is not None:
+            try:
+                resolved = self.dir.format(name="run")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"dir {self.dir!r} has a placeholder other than {{name}} ({exc!r}); "
+                    "use {name} for the run name or a plain path"
+                ) from None
+            if not resolved.strip():
+                raise ValueError("dir must be a path or null (null: <run dir>/weights), got an empty string")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -466,6 +482,13 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.dir.format(name=self.name))
+
+    @property
+    def weights_root(self) -> Path:
+        """Where the trainer publishes ``v<N>`` weight directories (``weight_sync.dir``)."""
+        if self.weight_sync.dir is None:
+            return self.run_dir / "weights"
+        return Path(self.weight_sync.dir.format(name=self.name))
 
     @property
     def max_inflight(self) -> int:

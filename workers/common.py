@@ -37,7 +37,7 @@ def resolve_model_path(path: str) -> str:
 
 
 def weights_root(cfg: RunConfig) -> Path:
-    return (cfg.run_dir / "weights").resolve()
+    return cfg.weights_root.resolve()
 
 
 def weights_dir(cfg: RunConfig, version: int) -> Path:
@@ -51,7 +51,7 @@ def checked_weights_path(cfg: RunConfig, path: str) -> Path:
     if resolved != root and root not in resolved.parents:
         raise ConfigError(
             f"weights location {path!r} is outside the run's weights root {root}; refusing to load it "
-            "(weights.* events must point into <run_dir>/weights)"
+            "(weights.* events must point into weight_sync.dir, default <run_dir>/weights)"
         )
     return resolved
 

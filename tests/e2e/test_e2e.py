@@ -176,6 +176,7 @@ def test_ctrl_c_stops_the_run_and_the_same_command_resumes_it(tmp_path: Path, ti
         trainer__eval_every=0,
         dataset__eval_size=4,
         checkpoint__every_steps=2,
+        weight_sync__dir=str(tmp_path / "shm" / "{name}-weights"),  # published outside the run dir
     )
     run_dir = tmp_path / "resume"
     started = time.monotonic()
@@ -191,6 +192,9 @@ def test_ctrl_c_stops_the_run_and_the_same_command_resumes_it(tmp_path: Path, ti
     steps = read_steps(run_dir, "resume")
     _check_exactly_once(steps, total, batch)
     _check_staleness(committed_steps(steps).values(), eta=2)
+    published = sorted(p.name for p in (tmp_path / "shm" / "resume-weights").iterdir())
+    assert f"v{total}" in published, published
+    assert not (run_dir / "weights").exists()
 
 
 @pytest.mark.timeout(900)

@@ -95,6 +95,20 @@ def test_gpu_engine_switches_need_their_prerequisites() -> None:
     assert cfg.rollout.cuda_graphs and cfg.rollout.compile
 
 
+def test_weights_root_defaults_to_the_run_dir_and_takes_the_run_name() -> None:
+    """weight_sync.dir moves the published versions (e.g. to a tmpfs); a bad placeholder names the fix."""
+    cfg = load_config(None, ["name=r1", "dir=/tmp/runs/{name}"])
+    assert cfg.weights_root == Path("/tmp/runs/r1/weights")
+    cfg = load_config(None, ["name=r1", "weight_sync.dir=/dev/shm/areal-{name}"])
+    assert cfg.weights_root == Path("/dev/shm/areal-r1")
+    with pytest.raises(
+        ConfigError, match=r"weight_sync: dir '/dev/shm/\{run\}' has a placeholder other than \{name\}"
+    ):
+        load_config(None, ["weight_sync.dir=/dev/shm/{run}"])
+    with pytest.raises(ConfigError, match=r"dir must be a path or null"):
+        load_config(None, ["weight_sync.dir=' '"])
+
+
 def test_literal_choice_suggests_the_closest_option(tmp_path: Path) -> None:
     """An invalid enum value lists the choices and the closest one."""
     path = _write(tmp_path, "trainer:\n  loss:\n    behave_cap_mode: clmp\n")
