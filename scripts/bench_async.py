@@ -29,13 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workers.report import read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> dict[str, Any]:
@@ -56,8 +52,8 @@ def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> 
     started = time.time()
     with open(args.out / f"{label}.log", "wb") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    steps = _jsonl(run_dir / "metrics.jsonl")
-    evals = _jsonl(run_dir / "eval.jsonl")
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
     row: dict[str, Any] = {"label": label, "eta": eta, "decoupled": decoupled, "returncode": rc}
     if len(steps) < 2:
         return row

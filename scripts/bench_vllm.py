@@ -49,6 +49,7 @@ from areal_async.engines.base import GenerationRequest, InferenceEngine, Samplin
 from areal_async.engines.local import LocalEngine
 from areal_async.engines.vllm import VLLMEngine
 from areal_async.models import load_causal_lm, load_tokenizer, prepare_smollm2
+from workers.report import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -141,17 +142,11 @@ async def bench_engine(
     return rows
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
-
-
 def _log_events(run_dir: Path, role: str, event: str) -> list[dict[str, Any]]:
     return [
         e
         for p in sorted((run_dir / "logs").glob(f"{role}-*.jsonl"))
-        for e in _jsonl(p)
+        for e in read_jsonl(p)
         if e.get("event") == event
     ]
 
@@ -184,8 +179,8 @@ def demo_run(args: argparse.Namespace, engine: str, url: str | None) -> dict[str
     with open(f"{run_dir}.log", "wb") as log_file:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - started
-    steps = _jsonl(run_dir / "metrics.jsonl")
-    evals = _jsonl(run_dir / "eval.jsonl")
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
     groups = [e for e in _log_events(run_dir, "generation", "group generated") if e.get("kind") == "train"]
     intervals = []
     for group in groups:

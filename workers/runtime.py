@@ -135,24 +135,23 @@ def default_worker_id(role: str) -> str:
 AFFINITY_ENV = "AREAL_CPU_AFFINITY"
 
 
-def cpu_affinity(name: str, spec: str | None = None) -> set[int] | None:
-    """The cores ``AREAL_CPU_AFFINITY`` (or ``spec``) names for ``name``; None when it names none.
+def parse_affinity(spec: str) -> dict[str, set[int]]:
+    """Every entry of an ``AREAL_CPU_AFFINITY`` value, checked: ``{name: cores}`` (the last entry of a
+    name wins).
 
     Format ``name=cores;name=cores`` with cores like ``0``, ``0,1`` or ``2-5``. A name is a role
     (``trainer``: the whole process) or ``<role>.io`` (the role's background I/O threads: the
     trainer's weight writer, which hashes and writes every new version). E.g.
     ``generation=0;trainer=1;trainer.io=0``.
     """
-    spec = os.environ.get(AFFINITY_ENV, "") if spec is None else spec
-    found: set[int] | None = None
+    found: dict[str, set[int]] = {}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         key, sep, cores = part.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ValueError(
                 f"{AFFINITY_ENV}: entry {part!r} is not NAME=CORES; write e.g. 'generation=0;trainer=1'"
             )
-        if key.strip() != name:
-            continue
         cpus: set[int] = set()
         for item in cores.split(","):
             lo, _, hi = item.strip().partition("-")
@@ -160,24 +159,31 @@ def cpu_affinity(name: str, spec: str | None = None) -> set[int] | None:
                 first, last = int(lo), int(hi or lo)
             except ValueError:
                 raise ValueError(
-                    f"{AFFINITY_ENV}: {key.strip()}={cores!r} has core {item.strip()!r}, which is not a "
+                    f"{AFFINITY_ENV}: {key}={cores!r} has core {item.strip()!r}, which is not a "
                     "number or a range; write cores like 0, 0,1 or 2-5"
                 ) from None
             if first < 0 or last < first:
                 raise ValueError(
-                    f"{AFFINITY_ENV}: {key.strip()}={cores!r} has the empty or negative range "
+                    f"{AFFINITY_ENV}: {key}={cores!r} has the empty or negative range "
                     f"{item.strip()!r}; write a range as LOW-HIGH with 0 <= LOW <= HIGH"
                 )
             cpus.update(range(first, last + 1))
-        found = cpus
+        found[key] = cpus
     return found
+
+
+def cpu_affinity(name: str, spec: str | None = None) -> set[int] | None:
+    """The cores ``AREAL_CPU_AFFINITY`` (or ``spec``) names for ``name``; None when it names none.
+    Any malformed entry raises, whichever name it is for (`parse_affinity`)."""
+    return parse_affinity(os.environ.get(AFFINITY_ENV, "") if spec is None else spec).get(name)
 
 
 def pin_cpus(role: str) -> None:
     """Pin this process to the cores named for its role in ``AREAL_CPU_AFFINITY``.
 
     On one machine, ``generation=0;trainer=1`` makes generation and training behave like separate
-    devices (benchmarks). Roles not named keep every core.
+    devices (benchmarks). Roles not named keep every core. The whole value is checked here, at
+    start-up, so a bad ``<role>.io`` entry is refused before any background thread reads it.
     """
     cpus = cpu_affinity(role)
     if cpus is not None:

@@ -208,6 +208,14 @@ def pack_tokens(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     return [b for b in bins if b]
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy to `device` without blocking; to CUDA from pinned memory, so the copy is truly
+    asynchronous (it does not wait for the GPU's queue)."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 @dataclass(kw_only=True)
 class ModelInputs:
     """What the model reads for one micro-batch, and where each completion token's logprob goes.
@@ -229,17 +237,12 @@ class ModelInputs:
     """Longest sequence (packed rows)."""
 
     def to(self, device: torch.device) -> ModelInputs:
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if device.type == "cuda":
-                t = t.pin_memory()  # a truly asynchronous copy: no wait for the GPU's queue
-            return t.to(device, non_blocking=True)
-
         return ModelInputs(
-            input_ids=move(self.input_ids),
-            position_ids=move(self.position_ids),
-            hidden_index=move(self.hidden_index),
-            target_index=move(self.target_index),
-            cu_seqlens=move(self.cu_seqlens) if self.cu_seqlens is not None else None,
+            input_ids=to_device(self.input_ids, device),
+            position_ids=to_device(self.position_ids, device),
+            hidden_index=to_device(self.hidden_index, device),
+            target_index=to_device(self.target_index, device),
+            cu_seqlens=to_device(self.cu_seqlens, device) if self.cu_seqlens is not None else None,
             max_length=self.max_length,
         )
 

@@ -71,6 +71,7 @@ from areal_async.engines.batching import (
     model_inputs,
     pack_lengths,
     pack_tokens,
+    to_device,
 )
 from areal_async.weights_file import write_safetensors
 
@@ -444,8 +445,7 @@ class FSDPTrainEngine:
         """The loss batch (collate's `[b, T]` tensors) and the model's inputs, on the device."""
         mb = collate(seqs, pad_token_id=self.pad_token_id)
         inputs = model_inputs(seqs, mb["input_ids"], packed=self.packed).to(self.device)
-        pin = self.device.type == "cuda"  # pinned: the copy does not wait for the GPU's queue
-        mb = {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in mb.items()}
+        mb = {k: to_device(v, self.device) for k, v in mb.items()}
         return mb, inputs
 
     def _sync(self) -> None:

@@ -163,10 +163,13 @@ class _WeightLoad:
     pause_s: float = 0.0
 
 
+_STAND_IN = (0, 0, 1.0, 0.0, False)
+"""Decode inputs of a finished row that still holds its slot: token 0 at position 0, temperature 1."""
+
+
 @dataclass(eq=False)
 class _DecodeRows:
-    """Host inputs of one decode step, one entry per KV row (a finished row that still holds its slot
-    gets a harmless stand-in: token 0 at position 0, temperature 1)."""
+    """Host inputs of one decode step, one entry per KV row (`_STAND_IN` for a finished row)."""
 
     ids: list[int]
     positions: list[int]
@@ -1185,21 +1188,19 @@ class LocalEngine(InferenceEngine):
         live = [s for s in self._rows if s.alive]
         uniforms = self._uniforms(live)
         next_uniform = iter(uniforms)
-        rows = _DecodeRows([], [], [], [], [])
-        for s in self._rows:
-            if s.alive:
-                temperature = s.sampling.temperature
-                rows.ids.append(s.token_ids[-1])
-                rows.positions.append(s.length - 1)
-                rows.temperatures.append(temperature or 1.0)
-                rows.uniforms.append(next(next_uniform))
-                rows.greedy.append(temperature == 0)
-            else:  # keeps its slot until the KV compacts
-                rows.ids.append(0)
-                rows.positions.append(0)
-                rows.temperatures.append(1.0)
-                rows.uniforms.append(0.0)
-                rows.greedy.append(False)
+        values = [
+            (
+                s.token_ids[-1],
+                s.length - 1,
+                s.sampling.temperature or 1.0,
+                next(next_uniform),
+                s.sampling.temperature == 0,
+            )
+            if s.alive
+            else _STAND_IN  # a finished row keeps its slot until the KV compacts
+            for s in self._rows
+        ]
+        rows = _DecodeRows(*(list(column) for column in zip(*values, strict=True)))
         logits_BV, draws_2B = self._kv.decode(self.model, rows, max(s.length for s in live))
         self.steps += 1
         if len(live) < len(self._rows):

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine
+from tests.fsdp_helpers import random_batch, write_tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,34 +22,11 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), vocab=VOCAB, hidden=128, intermediate=256)
 
 
 def make_batch() -> list[TrainSequence]:
-    g = torch.Generator().manual_seed(0)
-    seqs = []
-    for p, c in [(8, 40), (5, 17), (12, 64), (3, 9), (7, 30), (9, 1)]:
-        seqs.append(
-            TrainSequence(
-                prompt_ids=torch.randint(0, VOCAB, (p,), generator=g).tolist(),
-                completion_ids=torch.randint(0, VOCAB, (c,), generator=g).tolist(),
-                behave_logprobs=(-6.0 - torch.rand(c, generator=g)).tolist(),
-                advantages=torch.randn(c, generator=g).tolist(),
-            )
-        )
-    return seqs
+    return random_batch([(8, 40), (5, 17), (12, 64), (3, 9), (7, 30), (9, 1)], vocab=VOCAB)
 
 
 def pg_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -14,59 +14,33 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from areal_async.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine, init_distributed
 from areal_async.weights_file import tensor_sha256
+from tests.fsdp_helpers import random_batch, write_tiny_llama
 
 VOCAB = 64
 WORLD = 2
 STEPS = 2
 
 
-def write_tiny_model(path: Path, *, tie: bool) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
-    return path
-
-
 @pytest.fixture(scope="module")
 def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tied"), tie=True)
+    return write_tiny_llama(tmp_path_factory.mktemp("tied"), vocab=VOCAB, tie=True)
 
 
 @pytest.fixture(scope="module")
 def untied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("untied"), tie=False)
+    return write_tiny_llama(tmp_path_factory.mktemp("untied"), vocab=VOCAB, tie=False)
 
 
 def make_batch() -> list[TrainSequence]:
     """Even indices are long, odd short: rank 0 packs four micro-batches, rank 1 one (so it pads with empty passes)."""
-    g = torch.Generator().manual_seed(0)
     shapes = [(4, 16), (2, 3), (6, 12), (3, 2), (8, 8), (1, 4), (2, 2)]
-    seqs = []
-    for p, c in shapes:
-        seqs.append(
-            TrainSequence(
-                prompt_ids=torch.randint(0, VOCAB, (p,), generator=g).tolist(),
-                completion_ids=torch.randint(0, VOCAB, (c,), generator=g).tolist(),
-                behave_logprobs=(-4.0 - torch.rand(c, generator=g)).tolist(),
-                advantages=torch.randn(c, generator=g).tolist(),
-            )
-        )
-    return seqs
+    return random_batch(shapes, vocab=VOCAB, behave_base=-4.0)
 
 
 def pg_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

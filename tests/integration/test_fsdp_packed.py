@@ -7,45 +7,23 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine
+from tests.fsdp_helpers import random_batch, write_tiny_llama
 
 VOCAB = 64
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), vocab=VOCAB)
 
 
 def make_batch() -> list[TrainSequence]:
     """Lengths from 3 to 20, one completion of a single token and one with no completion."""
-    g = torch.Generator().manual_seed(1)
-    seqs = []
-    for p, c in [(4, 16), (2, 3), (6, 12), (3, 0), (8, 8), (1, 4), (2, 1), (5, 9)]:
-        seqs.append(
-            TrainSequence(
-                prompt_ids=torch.randint(0, VOCAB, (p,), generator=g).tolist(),
-                completion_ids=torch.randint(0, VOCAB, (c,), generator=g).tolist(),
-                behave_logprobs=(-4.0 - torch.rand(c, generator=g)).tolist(),
-                advantages=torch.randn(c, generator=g).tolist(),
-            )
-        )
-    return seqs
+    shapes = [(4, 16), (2, 3), (6, 12), (3, 0), (8, 8), (1, 4), (2, 1), (5, 9)]
+    return random_batch(shapes, vocab=VOCAB, seed=1, behave_base=-4.0)
 
 
 def pg_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
