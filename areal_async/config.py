@@ -197,7 +197,18 @@ class RolloutConfig:
     """Local engine with ``cuda_graphs``: torch.compile the decode and prefill forwards once each
     (minutes of warm-up on the first requests; docs/benchmarks.md has the speed-ups)."""
 
+    kv_after_load: Literal["recompute", "keep"] = "recompute"
+    """Requests running when new weights load: ``recompute`` drops their KV and re-prefills prompt +
+    tokens so far with the new weights (as AReaL does); ``keep`` (local engine only) goes on decoding
+    over the KV already computed, with the new weights, and redoes no work. Tokens carry the version
+    and log-prob they were sampled with either way."""
+
     def __post_init__(self) -> None:
+        if self.kv_after_load == "keep" and self.engine != "local":
+            raise ValueError(
+                f"kv_after_load=keep is implemented by the local engine only, got engine={self.engine!r}; "
+                "set rollout.kv_after_load=recompute or rollout.engine=local"
+            )
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(
                 f"cuda_graphs=true needs a CUDA device, got device={self.device!r}; "

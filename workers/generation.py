@@ -57,6 +57,7 @@ def make_engine(ctx: WorkerContext, model_path: str) -> InferenceEngine:
             seed=cfg.seed,
             cuda_graphs=cfg.rollout.cuda_graphs,
             compile=cfg.rollout.compile,
+            kv_after_load=cfg.rollout.kv_after_load,
         )
     if cfg.rollout.engine == "vllm":
         # The servers were started on model_path (scripts/serve_vllm.sh); weight dirs must be readable there.

@@ -37,12 +37,21 @@ Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
   batch, up to float noise of batched matmuls). Requests without a seed draw from the engine generator
   seeded with `seed`.
 - Interruption: `load_weights` reads the checkpoint off the decode thread, then the decode thread pauses
-  at its next step boundary, copies the tensors into the model in place, drops the KV cache, sets the
-  new version, and re-prefills every running request from prompt + tokens so far before sampling again.
+  at its next step boundary, copies the tensors into the model in place and sets the new version.
+  `kv_after_load="recompute"` (default) then drops the KV cache and re-prefills every running request
+  from prompt + tokens so far before sampling again, so every token after the load is computed wholly
+  by the new weights. `kv_after_load="keep"` keeps the running requests' KV (computed by the weights
+  that were current when each token was read) and goes on decoding with the new weights: no
+  re-prefill. Either way each token carries the version that sampled it and its exact log-prob under
+  the distribution it was drawn from, which is what the decoupled loss's behaviour policy needs.
 - Threading: all model work runs on one dedicated decode thread; the event loop only queues requests
   and waits on anyio Events, so it never blocks. Use the engine from the event loop it was started in.
 - Each result's `stats` holds `queued_s`, `seconds`, `admit_step`, `finish_step` (engine decode-step
   counter), `prefills` (1 + re-prefills after weight loads).
+- Engine counters (`health()` and the "engine closed" log line): `steps`, `tokens_generated`,
+  `prefill_forwards`, `prefill_tokens`, `reprefill_tokens` (prompt + tokens so far of each request
+  re-prefilled after a weight load),
+  `prefill_s` / `decode_s` (decode-thread seconds in each phase), `loads`.
 
 Not supported: sliding-window / hybrid-cache models (rejected at construction).
 """
@@ -763,7 +772,10 @@ class LocalEngine(InferenceEngine):
         cuda_graphs: bool = False,
         compile: bool = False,
         prefill_min_rows: int | None = None,
+        kv_after_load: Literal["recompute", "keep"] = "recompute",
     ) -> None:
+        if kv_after_load not in ("recompute", "keep"):
+            raise ValueError(f"kv_after_load must be 'recompute' or 'keep', got {kv_after_load!r}")
         if kv_cache not in ("dynamic", "slots"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'slots', got {kv_cache!r}")
         if cuda_graphs and (kv_cache != "slots" or torch.device(device).type != "cuda"):
@@ -802,6 +814,8 @@ class LocalEngine(InferenceEngine):
         self.prefill_min_rows = prefill_min_rows or max(1, max_batch_size // 16)
         """A prefill waits until this many slots are free (or every waiting request fits, or no row is
         decoding): one prefill forward per freed slot would cost more than the slots it refills."""
+        self.kv_after_load = kv_after_load
+        """What running requests do at a weight load: re-prefill ("recompute") or keep their KV."""
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
         self._params = self._parameter_names()
@@ -827,6 +841,11 @@ class LocalEngine(InferenceEngine):
         self.prefill_forwards = 0
         self.prefill_tokens = 0
         """Tokens computed by prefill forwards (padding excluded; a shared prompt counts once)."""
+        self.reprefill_tokens = 0
+        """Prompt + tokens so far of each request resuming after a weight load (work redone)."""
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
+        self.loads = 0
         self.tokens_generated = 0
         self._log = log.bind(engine_id=self.engine_id)
 
@@ -864,7 +883,7 @@ class LocalEngine(InferenceEngine):
                 await anyio.to_thread.run_sync(thread.join)
         if self._status != "closed":
             self._status = "closed"
-            self._log.info("engine closed", steps=self.steps, tokens_generated=self.tokens_generated)
+            self._log.info("engine closed", **self.counters())
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         if not requests:
@@ -929,6 +948,19 @@ class LocalEngine(InferenceEngine):
         )
         return seconds
 
+    def counters(self) -> dict[str, Any]:
+        """Work done so far (see the module docstring); read from any thread, values may lag a step."""
+        return {
+            "steps": self.steps,
+            "tokens_generated": self.tokens_generated,
+            "prefill_forwards": self.prefill_forwards,
+            "prefill_tokens": self.prefill_tokens,
+            "reprefill_tokens": self.reprefill_tokens,
+            "prefill_s": round(self.prefill_s, 3),
+            "decode_s": round(self.decode_s, 3),
+            "loads": self.loads,
+        }
+
     async def health(self) -> dict[str, Any]:
         with self._cond:
             incoming = len(self._incoming)
@@ -940,9 +972,7 @@ class LocalEngine(InferenceEngine):
             "max_batch_size": self.max_batch_size,
             "running": sum(1 for s in list(self._rows) if s.alive),
             "waiting": len(self._waiting) + incoming,
-            "steps": self.steps,
-            "prefill_forwards": self.prefill_forwards,
-            "tokens_generated": self.tokens_generated,
+            **self.counters(),
             "last_error": self._last_error,
         }
 
@@ -1046,10 +1076,12 @@ class LocalEngine(InferenceEngine):
             self._last_error = repr(exc)
         else:
             self._version = load.version  # before any token is sampled with the new weights
-            # Old-weight KV is invalid: running requests re-prefill from prompt + tokens so far, first.
-            self._kv.clear()
-            self._waiting.extendleft(reversed([s for s in self._rows if s.alive]))
-            self._rows = []
+            self.loads += 1
+            if self.kv_after_load == "recompute":
+                # Running requests re-prefill from prompt + tokens so far with the new weights, first.
+                self._kv.clear()
+                self._waiting.extendleft(reversed([s for s in self._rows if s.alive]))
+                self._rows = []
         load.pause_s = time.perf_counter() - started
         self._signal([load.done])
 
@@ -1069,11 +1101,15 @@ class LocalEngine(InferenceEngine):
             if joiners or self._kv.compacts(len(keep)):
                 self._rows = [self._rows[i] for i in self._kv.retain(keep)]
             if joiners:
+                started = time.perf_counter()
                 self._rows += self._prefill(joiners)
                 finished += [s for s in joiners if s.finish_reason is not None]
                 joiners.clear()
+                self.prefill_s += time.perf_counter() - started
             if any(s.alive for s in self._rows):
+                started = time.perf_counter()
                 finished += self._decode()
+                self.decode_s += time.perf_counter() - started
         return finished
 
     def _prefill(self, joiners: list[_Sequence]) -> list[_Sequence]:
@@ -1084,6 +1120,7 @@ class LocalEngine(InferenceEngine):
             if s.prefills == 0:
                 s.admitted_at, s.admit_step = now, self.steps
             s.prefills += 1
+        self.reprefill_tokens += sum(s.length for s in joiners if s.token_ids)
         if isinstance(self._kv, _SlotKV):
             return self._prefill_slots(self._kv, joiners)
         order = sorted(range(len(joiners)), key=lambda i: joiners[i].length)

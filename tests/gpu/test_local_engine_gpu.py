@@ -20,6 +20,7 @@ from areal_async.models import build_tiny_model, load_causal_lm
 from tests.unit.test_local_engine import (
     assert_logprobs_match,
     check_interruption,
+    check_kept_kv,
     make_requests,
     run_interruption,
 )
@@ -102,6 +103,18 @@ async def test_cuda_weight_swap_mid_generation_switches_versions_and_loses_nothi
         tiny_a, tiny_b, device="cuda", location=location, **engine_options
     )
     check_interruption(results, model_a, model_b)
+
+
+@pytest.mark.asyncio
+async def test_cuda_weight_swap_with_kept_kv_continues_over_the_old_kv(
+    tiny_a: Path, tiny_b: Path, engine_options: dict[str, Any]
+) -> None:
+    """kv_after_load="keep" on CUDA, every layout (CUDA graphs too): no re-prefill, new tokens are B
+    reading over A's KV (`check_kept_kv`)."""
+    results, model_a, model_b = await run_interruption(
+        tiny_a, tiny_b, device="cuda", group=2, kv_after_load="keep", **engine_options
+    )
+    check_kept_kv(results, model_a, model_b)
 
 
 @pytest.mark.asyncio

@@ -95,6 +95,18 @@ def test_gpu_engine_switches_need_their_prerequisites() -> None:
     assert cfg.rollout.cuda_graphs and cfg.rollout.compile
 
 
+def test_kv_after_load_is_checked_against_the_engine() -> None:
+    """keep is a local-engine mode; a typo or a remote engine gets an error naming the fix."""
+    assert load_config(None, []).rollout.kv_after_load == "recompute"
+    assert load_config(None, ["rollout.kv_after_load=keep"]).rollout.kv_after_load == "keep"
+    with pytest.raises(ConfigError, match=r"kv_after_load.*'recompute'.*'keep'"):
+        load_config(None, ["rollout.kv_after_load=kept"])
+    with pytest.raises(ConfigError, match=r"kv_after_load=keep is implemented by the local engine only"):
+        load_config(
+            None, ["rollout.engine=vllm", "rollout.server_urls=[http://h:8000]", "rollout.kv_after_load=keep"]
+        )
+
+
 def test_weights_root_defaults_to_the_run_dir_and_takes_the_run_name() -> None:
     """weight_sync.dir moves the published versions (e.g. to a tmpfs); a bad placeholder names the fix."""
     cfg = load_config(None, ["name=r1", "dir=/tmp/runs/{name}"])

@@ -30,6 +30,7 @@ from areal_async.engines.local import (
     LocalEngine,
     _DecodeRows,
     _SlotKV,
+    cache_kwarg,
     packed_gqa_sdpa,
     sample_tokens,
     slot_decode_forward,
@@ -280,6 +281,58 @@ async def test_group_sharing_a_prompt_resumes_after_a_weight_load_with_exact_log
     assert results[0].prompt_ids == results[2].prompt_ids != results[3].prompt_ids
 
 
+def mixed_logprobs(
+    model_a: torch.nn.Module, model_b: torch.nn.Module, result: GenerationResult, switch: int
+) -> torch.Tensor:
+    """Oracle for kv_after_load="keep": A computes the KV of the prompt and of the tokens before
+    `switch - 1` (the last old token is not fed yet at the load); B reads the rest on top of that
+    KV. Log-softmax of B's logits for completion tokens switch.. (temperature 1), on the CPU."""
+    device = next(model_a.parameters()).device
+    prompt = list(result.prompt_ids)
+    ids = torch.tensor([prompt + result.token_ids], device=device)
+    cut = len(prompt) + switch - 1
+    with torch.no_grad():
+        past = model_a(input_ids=ids[:, :cut], use_cache=True).past_key_values
+        logits = model_b(input_ids=ids[:, cut:-1], use_cache=True, **cache_kwarg(model_b, past)).logits[0]
+    logp = logits.float().log_softmax(-1).cpu()
+    return logp.gather(1, torch.tensor(result.token_ids[switch:])[:, None])[:, 0]
+
+
+def check_kept_kv(
+    results: list[GenerationResult], model_a: torch.nn.Module, model_b: torch.nn.Module
+) -> None:
+    """After a load with kv_after_load="keep": nothing was re-prefilled; running requests switch to
+    version 1 mid-completion, their old tokens match A and their new tokens B reading over A's KV
+    (the mixed oracle), not B over the whole prefix; requests admitted after the load are pure B."""
+    switched = 0
+    for result, length in zip(results, INTERRUPT_LENGTHS, strict=True):
+        assert len(result.token_ids) == length and result.versions == sorted(result.versions)
+        assert result.stats["prefills"] == 1.0, "keep must not re-prefill"
+        switch = result.versions.index(1)
+        if switch == 0:
+            assert_logprobs_match(model_b, SamplingParams(), result, range(length))
+            continue
+        switched += 1
+        assert_logprobs_match(model_a, SamplingParams(), result, range(switch))
+        got = torch.tensor(result.logprobs[switch:])
+        torch.testing.assert_close(got, mixed_logprobs(model_a, model_b, result, switch), atol=TOL, rtol=0)
+        pure_b = processed_logprobs(teacher_forced_logits(model_b, result), SamplingParams())
+        pure_b = pure_b.gather(1, torch.tensor(result.token_ids)[:, None])[switch:, 0]
+        assert (pure_b - got).abs().max() > 1e-3, "A's KV made no difference"
+    assert switched >= 4, "the first batch of 4 was decoding when the weights changed"
+
+
+@pytest.mark.asyncio
+async def test_keep_kv_after_load_decodes_on_with_new_weights_over_the_old_kv(
+    tiny_a: Path, tiny_b: Path, kv_cache: str
+) -> None:
+    """kv_after_load="keep" against the mixed oracle (`check_kept_kv`), groups of 2 sharing prompts."""
+    results, model_a, model_b = await run_interruption(
+        tiny_a, tiny_b, group=2, kv_cache=kv_cache, kv_after_load="keep"
+    )
+    check_kept_kv(results, model_a, model_b)
+
+
 @pytest.mark.asyncio
 async def test_a_group_is_prefilled_once_and_sampled_independently(tiny_a: Path, kv_cache: str) -> None:
     """8 samples of one prompt: its tokens are computed once; completions differ; log-probs exact."""
@@ -287,8 +340,12 @@ async def test_a_group_is_prefilled_once_and_sampled_independently(tiny_a: Path,
     requests = make_requests(8, group=8, max_new_tokens=12, temperature=1.0)
     async with LocalEngine(tiny_a, max_batch_size=8, kv_cache=kv_cache) as engine:
         results = await engine.generate(requests)
-        assert engine.prefill_forwards == 1
-        assert engine.prefill_tokens == len(requests[0].prompt_ids)
+        counters = engine.counters()
+        assert counters["prefill_forwards"] == 1 and counters["steps"] == 11
+        assert counters["prefill_tokens"] == len(requests[0].prompt_ids)
+        assert counters["reprefill_tokens"] == 0 and counters["loads"] == 0
+        assert counters["tokens_generated"] == 8 * 12
+        assert counters["prefill_s"] > 0 and counters["decode_s"] > 0
     assert len({tuple(r.token_ids) for r in results}) > 1, "every row drew the same tokens"
     model = load_causal_lm(tiny_a)
     for result in results:
