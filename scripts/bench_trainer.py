@@ -207,18 +207,28 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
 
 
 def profile_step(engine: FSDPTrainEngine, batch: list[TrainSequence], args: argparse.Namespace) -> None:
-    """One more pi_prox forward + train step under torch.profiler; print the top ops by device time."""
+    """One more train step under torch.profiler (pi_prox computed before it); print the top ops by
+    device time; with `--profile-out` also write every op's self time and call count as JSON."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    prox = engine.compute_logprobs(batch)
+    seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(batch, prox, strict=True)]
     with profile(activities=activities) as prof:
-        prox = engine.compute_logprobs(batch)
-        seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(batch, prox, strict=True)]
         engine.train_step(seqs, ppo_loss)
         if args.device == "cuda":
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.profile))
+    if args.profile_out:
+        attr = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
+        ops = [
+            {"name": e.key, "self_us": getattr(e, attr), "calls": e.count}
+            for e in prof.key_averages()
+            if getattr(e, attr) > 0
+        ]
+        ops.sort(key=lambda o: -o["self_us"])
+        args.profile_out.write_text(json.dumps(ops, indent=0))
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -275,6 +285,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (cuda default: 989)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-out", type=Path, default=None, help="with --profile: every op as JSON")
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="profile one extra step; print the top N ops"
     )

@@ -1,0 +1,216 @@
+"""Benchmark causal attention over packed rows (forward + backward) with each kernel torch offers.
+
+Packed micro-batches (several sequences back to back in one row, `engines/varlen.py`) need a
+varlen kernel. This script times the candidates on one packed micro-batch of sequences with
+lengths drawn from [--min-len, --max-len] until --tokens are filled:
+
+- `flash_varlen`: FlashAttention-2 varlen (`torch.nn.attention.varlen.varlen_attn`), grouped K/V in place
+- `cudnn_varlen`: cuDNN ragged attention (`aten._cudnn_attention_forward/backward` with cumulative
+  sequence lengths); K/V heads repeated to the query heads, their gradients summed back
+  (torch's own `varlen_attn` keeps this path switched off)
+- `cudnn_padded` / `flash_padded`: SDPA on the same sequences right-padded to the longest, batch-first
+  (not counting the copies into and out of the padded layout)
+
+TFLOP/s count causal work only: 2 * L * (L + 1) * heads * head_dim per sequence forward
+(QK^T and PV over the lower triangle), 2.5x that backward.
+
+    python scripts/bench_attention.py                     # Qwen2-0.5B heads on 51,200 tokens
+    python scripts/bench_attention.py --heads 28 --kv-heads 4 --head-dim 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def lengths_for(tokens: int, lo: int, hi: int, seed: int) -> list[int]:
+    """Sequence lengths drawn uniformly from [lo, hi] whose sum is exactly `tokens`."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    while sum(out) < tokens:
+        out.append(rng.randint(lo, hi))
+    out[-1] -= sum(out) - tokens
+    return [n for n in out if n > 0]
+
+
+def causal_flops(lengths: list[int], heads: int, head_dim: int) -> float:
+    return float(sum(2 * n * (n + 1) * heads * head_dim for n in lengths))
+
+
+def timed(fn: Callable[[], Any], iters: int) -> float:
+    """Median seconds of `fn` over `iters` runs after two warm-ups (CUDA events)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def flash_varlen(q, k, v, cu, max_len):
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
+
+
+class _CudnnVarlen(torch.autograd.Function):
+    """cuDNN's ragged kernels called directly; K/V heads repeated to the query heads."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len):  # type: ignore[override]
+        groups = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+        out, lse, *_, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False
+        )
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu)
+        ctx.max_len, ctx.groups = max_len, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, out, lse, seed, offset, cu = ctx.saved_tensors
+        m = ctx.max_len
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, seed, offset, None, cu, cu, m, m, 0.0, True
+        )
+        dk, dv = (t.unflatten(1, (-1, ctx.groups)).sum(2) for t in (dk, dv))
+        return dq, dk, dv, None, None
+
+
+def cudnn_varlen(q, k, v, cu, max_len):
+    return _CudnnVarlen.apply(q, k, v, cu, max_len)
+
+
+def padded(backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+
+    def run(q, k, v, _cu, _max_len):  # q: [B, H, L, D]
+        with sdpa_kernel(chosen):
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+            )
+
+    return run
+
+
+def to_padded(t: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[N, H, D] packed -> [B, H, Lmax, D] right-padded with zeros."""
+    longest = max(lengths)
+    out = t.new_zeros(len(lengths), longest, *t.shape[1:])
+    start = 0
+    for i, n in enumerate(lengths):
+        out[i, :n] = t[start : start + n]
+        start += n
+    return out.transpose(1, 2).contiguous()
+
+
+def measure(
+    name: str,
+    fn: Callable[..., torch.Tensor],
+    tensors: tuple[torch.Tensor, ...],
+    lengths: list[int],
+    cu: torch.Tensor,
+    fwd_flops: float,
+    iters: int,
+    reference: list[torch.Tensor],
+) -> dict[str, Any]:
+    """Time `fn` forward and forward + backward; compare its output to the first kernel's."""
+    is_padded = name.endswith("_padded")
+    q, k, v, g = (to_padded(t, lengths) if is_padded else t.clone() for t in tensors)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    longest = max(lengths)
+
+    def step() -> None:
+        fn(q, k, v, cu, longest).backward(g)
+
+    row: dict[str, Any] = {"kernel": name}
+    try:
+        fwd_s = timed(lambda: fn(q, k, v, cu, longest), iters)
+        both_s = timed(step, iters)
+        out = fn(q, k, v, cu, longest)
+    except Exception as exc:  # a kernel this build lacks is reported, not fatal
+        return row | {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    if is_padded:
+        out = torch.cat([out[i, :, :m].transpose(0, 1) for i, m in enumerate(lengths)])
+    if not reference:
+        reference.append(out.float())
+    return row | {
+        "fwd_ms": round(fwd_s * 1e3, 3),
+        "bwd_ms": round((both_s - fwd_s) * 1e3, 3),
+        "fwd_tflops": round(fwd_flops / fwd_s / 1e12, 1),
+        "bwd_tflops": round(2.5 * fwd_flops / (both_s - fwd_s) / 1e12, 1),
+        "fwd_bwd_tflops": round(3.5 * fwd_flops / both_s / 1e12, 1),
+        "max_abs_diff_vs_first": round((out.float() - reference[0]).abs().max().item(), 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=51_200)
+    parser.add_argument("--min-len", type=int, default=1152)
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=14)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--kernels", default="flash_varlen,cudnn_varlen,cudnn_padded,flash_padded")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    lengths = lengths_for(args.tokens, args.min_len, args.max_len, args.seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    n, bf16 = sum(lengths), torch.bfloat16
+    q0 = torch.randn(n, args.heads, args.head_dim, device="cuda", dtype=bf16)
+    k0 = torch.randn(n, args.kv_heads, args.head_dim, device="cuda", dtype=bf16)
+    v0 = torch.randn(n, args.kv_heads, args.head_dim, device="cuda", dtype=bf16)
+    grad = torch.randn_like(q0)
+    fwd_flops = causal_flops(lengths, args.heads, args.head_dim)
+    kernels = {
+        "flash_varlen": flash_varlen,
+        "cudnn_varlen": cudnn_varlen,
+        "cudnn_padded": padded("cudnn"),
+        "flash_padded": padded("flash"),
+    }
+    rows: list[dict[str, Any]] = []
+    reference: list[torch.Tensor] = []
+    for name in args.kernels.split(","):
+        row = measure(name, kernels[name], (q0, k0, v0, grad), lengths, cu, fwd_flops, args.iters, reference)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    env = {
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "device": torch.cuda.get_device_name(),
+        "lengths": len(lengths),
+        "tokens": n,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
