@@ -170,7 +170,12 @@ def demo_run(args: argparse.Namespace, engine: str, url: str | None) -> dict[str
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     overrides = [f"name=bench-{engine}", f"dir={run_dir}", f"trainer.total_steps={args.demo_steps}"]
     if url is not None:
-        overrides += ["rollout.engine=vllm", f"rollout.server_urls=[{url}]"]
+        # Remote engines re-prefill interrupted requests; the demo config's local engine keeps KV.
+        overrides += [
+            "rollout.engine=vllm",
+            f"rollout.server_urls=[{url}]",
+            "rollout.kv_after_load=recompute",
+        ]
     cmd = [sys.executable, "-m", "workers", "run", args.config, "--no-live"]
     for override in overrides:
         cmd += ["--set", override]
