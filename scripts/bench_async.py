@@ -25,12 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from areal_async.config import load_config
 from workers.report import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +56,12 @@ def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> 
     started = time.time()
     with open(args.out / f"{label}.log", "wb") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if not args.keep_weights:
+        # A run ends with a checkpoint and its last published versions (~2.6 GB for SmolLM2 with
+        # its optimizer); a full sweep would otherwise fill a small disk or a tmpfs.
+        cfg = load_config(args.config, overrides)
+        for path in (cfg.run_dir / "checkpoints", cfg.weights_root):
+            shutil.rmtree(path, ignore_errors=True)
     steps = read_jsonl(run_dir / "metrics.jsonl")
     evals = read_jsonl(run_dir / "eval.jsonl")
     row: dict[str, Any] = {"label": label, "eta": eta, "decoupled": decoupled, "returncode": rc}
@@ -131,6 +139,11 @@ def main() -> None:
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench-async")
+    p.add_argument(
+        "--keep-weights",
+        action="store_true",
+        help="keep each run's checkpoints and published weights (default: deleted once summarised)",
+    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     plan = [(f"eta{e}", int(e), True) for e in args.etas.split(",") if e.strip()]
