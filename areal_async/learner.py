@@ -163,6 +163,8 @@ class Learner:
             device=t.device,
             gradient_checkpointing=t.gradient_checkpointing,
             compile=t.compile,
+            logprob_kernel=t.logprob_kernel,
+            fused_projections=t.fused_projections,
             seed=cfg.seed,
             temperature=temperature,
         )
@@ -174,6 +176,8 @@ class Learner:
                 device=t.device,
                 micro_batch_tokens=t.micro_batch_tokens,
                 temperature=temperature,
+                logprob_kernel=t.logprob_kernel,
+                fused_projections=t.fused_projections,
             )
         self.rank = self.engine.rank
         self.world_size = self.engine.world_size

@@ -59,8 +59,7 @@ def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> 
     if not args.keep_weights:
         # A run ends with a checkpoint and its last published versions (~2.6 GB for SmolLM2 with
         # its optimizer); a full sweep would otherwise fill a small disk or a tmpfs.
-        cfg = load_config(args.config, overrides)
-        for path in (cfg.run_dir / "checkpoints", cfg.weights_root):
+        for path in (run_dir / "checkpoints", load_config(args.config, overrides).weights_root):
             shutil.rmtree(path, ignore_errors=True)
     steps = read_jsonl(run_dir / "metrics.jsonl")
     evals = read_jsonl(run_dir / "eval.jsonl")

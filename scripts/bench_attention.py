@@ -4,10 +4,13 @@ Packed micro-batches (several sequences back to back in one row, `engines/varlen
 varlen kernel. This script times the candidates on one packed micro-batch of sequences with
 lengths drawn from [--min-len, --max-len] until --tokens are filled:
 
-- `flash_varlen`: FlashAttention-2 varlen (`torch.nn.attention.varlen.varlen_attn`), grouped K/V in place
+- `flash_varlen`: FlashAttention-2 varlen (`varlen.causal_varlen_attn`, what packed training rows run),
+  grouped K/V in place
 - `cudnn_varlen`: cuDNN ragged attention (`aten._cudnn_attention_forward/backward` with cumulative
   sequence lengths); K/V heads repeated to the query heads, their gradients summed back
   (torch's own `varlen_attn` keeps this path switched off)
+- `flex_varlen`: FlexAttention (`torch.nn.attention.flex_attention`, compiled Triton kernels) over the
+  packed row with a same-sequence causal block mask (mask built once per micro-batch, not timed)
 - `cudnn_padded` / `flash_padded`: SDPA on the same sequences right-padded to the longest, batch-first
   (not counting the copies into and out of the padded layout)
 
@@ -29,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from areal_async.engines.varlen import causal_varlen_attn
 
 
 def lengths_for(tokens: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -61,12 +66,6 @@ def timed(fn: Callable[[], Any], iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def flash_varlen(q, k, v, cu, max_len):
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
-
-
 class _CudnnVarlen(torch.autograd.Function):
     """cuDNN's ragged kernels called directly; K/V heads repeated to the query heads."""
 
@@ -94,6 +93,28 @@ class _CudnnVarlen(torch.autograd.Function):
 
 def cudnn_varlen(q, k, v, cu, max_len):
     return _CudnnVarlen.apply(q, k, v, cu, max_len)
+
+
+def flex_varlen(lengths: list[int]) -> Callable[..., torch.Tensor]:
+    """FlexAttention over the packed row: position q sees kv when both are in one sequence, kv <= q."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    sizes = torch.tensor(lengths, device="cuda")
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), sizes)
+
+    def same_sequence_causal(_b, _h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (sequence[q_idx] == sequence[kv_idx]) & (kv_idx <= q_idx)
+
+    n = int(sizes.sum())
+    block_mask = create_block_mask(same_sequence_causal, None, None, n, n, device="cuda")
+    attend = torch.compile(flex_attention)
+
+    def run(q, k, v, _cu, _max_len):  # packed [N, H, D] -> [1, H, N, D] views
+        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        out = attend(*heads_first, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        return out[0].transpose(0, 1)
+
+    return run
 
 
 def padded(backend: str):
@@ -172,7 +193,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=14)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--kernels", default="flash_varlen,cudnn_varlen,cudnn_padded,flash_padded")
+    parser.add_argument(
+        "--kernels", default="flash_varlen,flex_varlen,cudnn_varlen,cudnn_padded,flash_padded"
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
@@ -188,11 +211,13 @@ def main() -> None:
     grad = torch.randn_like(q0)
     fwd_flops = causal_flops(lengths, args.heads, args.head_dim)
     kernels = {
-        "flash_varlen": flash_varlen,
+        "flash_varlen": causal_varlen_attn,
         "cudnn_varlen": cudnn_varlen,
         "cudnn_padded": padded("cudnn"),
         "flash_padded": padded("flash"),
     }
+    if "flex_varlen" in args.kernels.split(","):
+        kernels["flex_varlen"] = flex_varlen(lengths)  # builds the block mask: only when asked for
     rows: list[dict[str, Any]] = []
     reference: list[torch.Tensor] = []
     for name in args.kernels.split(","):

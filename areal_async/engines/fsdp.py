@@ -33,7 +33,10 @@ forward under autocast. Token logprobs and entropy are computed in float32 from 
 logits of the completion tokens only, `logprob_chunk_tokens` rows at a time; with grad
 and more rows than one chunk each chunk is recomputed in backward, so the `[tokens,
 vocab]` logits never exist for the whole micro-batch. `temperature` divides the logits,
-matching the sampler that produced pi_behave.
+matching the sampler that produced pi_behave. On CUDA with Triton the logprob and entropy
+come from one pass over the logits each way (`engines/logprob_triton.py`; `logprob_kernel`
+chooses, `engines/logprobs.py`). `fused_projections` runs q/k/v and gate/up as one matmul each
+(`engines/fused_projections.py`); parameter names and shapes do not change.
 
 Weights out. `save_hf(dir)` writes a Hugging Face directory (config.json,
 model.safetensors, tokenizer files of `model_path`) atomically and returns the manifest
@@ -63,7 +66,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from areal_async.checkpoint import fsync_tree, replace_dir
-from areal_async.engines import varlen
+from areal_async.engines import logprobs, varlen
 from areal_async.engines.batching import (
     ModelInputs,
     TrainSequence,
@@ -73,6 +76,7 @@ from areal_async.engines.batching import (
     pack_tokens,
     to_device,
 )
+from areal_async.engines.fused_projections import fuse_projections
 from areal_async.weights_file import write_safetensors
 
 log = structlog.get_logger(__name__)
@@ -94,7 +98,6 @@ TOKENIZER_FILES = (
 )
 
 _MODEL_PREFIX = "hf."
-_ENTROPY_ROWS = 1024
 
 
 def init_distributed(device: str = "cpu") -> tuple[int, int]:
@@ -160,90 +163,18 @@ def lr_factor(
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _token_logprobs(
-    hidden_NH: torch.Tensor, targets_N: torch.Tensor, head: nn.Module, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 logprob of each target and the entropy (no grad; zeros unless `with_entropy`) of each row.
-
-    Eager form: one fused log-softmax (its backward needs no extra [rows, vocab] temporary).
-    """
-    logits = head(hidden_NH).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logprobs, torch.zeros_like(logprobs)
-    with torch.no_grad():  # row blocks: no second [rows, vocab] float32 temporary
-        entropy = torch.cat([-(block.exp() * block).sum(-1) for block in logp_all.split(_ENTROPY_ROWS)])
-    return logprobs, entropy
-
-
-class _TargetLogprob(torch.autograd.Function):
-    """logit[target] / T - logsumexp(logits / T) per row, float32, from `[N, V]` logits of any dtype.
-
-    Its backward writes the logits' gradient in one pass, in their dtype: -g/T * softmax, with
-    g/T * (1 - p[target]) (computed in float32) written at the target. Autograd of the plain
-    formula also materialises the gather's scattered gradient as a second `[N, V]` tensor and reads
-    it back. Returns (logprobs, lse); lse carries no gradient.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> Any:
-        scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
-        lse = torch.logsumexp(scaled, dim=-1)
-        logprobs = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-        ctx.save_for_backward(logits, targets, lse, logprobs)
-        ctx.temperature = temperature
-        ctx.mark_non_differentiable(lse)
-        return logprobs, lse
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _grad_lse: torch.Tensor) -> Any:
-        logits, targets, lse, logprobs = ctx.saved_tensors
-        scale = grad / ctx.temperature
-        probs = torch.exp(logits.float() / ctx.temperature - lse.unsqueeze(-1))
-        grad_logits = (-scale.unsqueeze(-1) * probs).to(logits.dtype)
-        rows = torch.arange(targets.shape[0], device=targets.device)
-        at_target = scale * (1.0 - torch.exp(logprobs))
-        grad_logits.index_put_((rows, targets), at_target.to(logits.dtype))
-        return grad_logits, None, None
-
-
-def _token_logprobs_lse(
-    hidden_NH: torch.Tensor, targets_N: torch.Tensor, head: nn.Module, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same result as `_token_logprobs` as logit[target] - logsumexp(logits), for torch.compile:
-    the reductions fuse, no [rows, vocab] log-softmax output is kept for backward, and the backward
-    is one pass over the logits (`_TargetLogprob`) (H200, Qwen2-0.5B shape: 31.9% -> 37.1% MFU,
-    82 -> 61 GB peak for the fused reductions; slower in eager mode)."""
-    logits = head(hidden_NH)
-    logprobs, lse_N = _TargetLogprob.apply(logits, targets_N, temperature)
-    if not with_entropy:
-        return logprobs, torch.zeros_like(logprobs)
-    with torch.no_grad():
-        scaled = logits.detach().float()
-        if temperature != 1.0:
-            scaled = scaled / temperature
-        entropy = torch.cat(
-            [
-                lse - (torch.softmax(block, dim=-1) * block).sum(-1)
-                for block, lse in zip(scaled.split(_ENTROPY_ROWS), lse_N.split(_ENTROPY_ROWS), strict=True)
-            ]
-        )
-    return logprobs, entropy
-
-
 class _TokenLogprobModel(nn.Module):
     """FSDP root: decoder -> hidden states -> logprobs/entropy of the selected tokens only."""
 
-    def __init__(self, hf: nn.Module, *, temperature: float, chunk_tokens: int) -> None:
+    def __init__(
+        self, hf: nn.Module, *, temperature: float, chunk_tokens: int, logprob_fn: logprobs.LogprobFn
+    ) -> None:
         super().__init__()
         self.hf = hf
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
-        self.logprob_fn = _token_logprobs
-        """Swapped for a torch.compile'd version when the engine compiles (fused reductions)."""
+        self.logprob_fn = logprob_fn
+        """One of the forms in `engines/logprobs.py`."""
 
     def forward(
         self,
@@ -317,6 +248,8 @@ class FSDPTrainEngine:
         logprob_chunk_tokens: int = 4096,
         compile: bool = False,
         packed: bool | None = None,
+        logprob_kernel: Literal["auto", "triton", "torch"] = "auto",
+        fused_projections: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -328,6 +261,8 @@ class FSDPTrainEngine:
             raise ValueError("micro_batch_tokens and logprob_chunk_tokens must be >= 1")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if logprob_kernel not in ("auto", "triton", "torch"):
+            raise ValueError(f"logprob_kernel must be 'auto', 'triton' or 'torch', got {logprob_kernel!r}")
         self.model_path = Path(model_path)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -361,6 +296,8 @@ class FSDPTrainEngine:
                 enable({"use_reentrant": False})
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if fused_projections and not fuse_projections(hf):
+            log.warning("fused_projections: no supported attention/MLP module, model runs unfused")
         decoder_layers = hf.get_decoder().layers
         if compile:
             # Compile blocks, then shard the compiled wrappers (FSDP hooks stay outside the graphs);
@@ -368,9 +305,10 @@ class FSDPTrainEngine:
             for i, layer in enumerate(decoder_layers):
                 decoder_layers[i] = torch.compile(layer)
         layers = list(decoder_layers)
-        self.model = _TokenLogprobModel(hf, temperature=temperature, chunk_tokens=logprob_chunk_tokens)
-        if compile:
-            self.model.logprob_fn = torch.compile(_token_logprobs_lse, dynamic=True)
+        logprob_fn = logprobs.pick_logprob_fn(self.device, compile, kernel=logprob_kernel)
+        self.model = _TokenLogprobModel(
+            hf, temperature=temperature, chunk_tokens=logprob_chunk_tokens, logprob_fn=logprob_fn
+        )
         if self.distributed:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import FSDPModule, fully_shard

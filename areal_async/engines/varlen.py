@@ -78,24 +78,28 @@ def packed_attention_forward(
         query, key, value = (t.to(dtype) for t in (query, key, value))
     q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query, key, value))
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        from torch.nn.attention.varlen import varlen_attn
-
-        causal = _VARLEN_KWARGS
-        assert causal is not None, "torch.nn.attention.varlen.varlen_attn is missing"
-        out_NHD = varlen_attn(
-            q_NHD.contiguous(),
-            k_NHD.contiguous(),
-            v_NHD.contiguous(),
-            cu_seqlens,
-            cu_seqlens,
-            kwargs["max_length_q"],
-            kwargs["max_length_q"],
-            scale=scaling,
-            **causal,
-        )
+        out_NHD = causal_varlen_attn(q_NHD, k_NHD, v_NHD, cu_seqlens, kwargs["max_length_q"], scaling)
     else:
         out_NHD = _sdpa_per_sequence(query, key, value, cu_seqlens.tolist(), scaling)
     return out_NHD.unsqueeze(0), None
+
+
+def causal_varlen_attn(
+    q_NHD: torch.Tensor,
+    k_NHD: torch.Tensor,
+    v_NHD: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_length: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`varlen_attn`, causal within each sequence of a packed row (`[N, heads, D]`, grouped K/V heads
+    read in place), whatever its keyword spelling in this torch release; CUDA, 16-bit inputs."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    causal = _VARLEN_KWARGS
+    assert causal is not None, "torch.nn.attention.varlen.varlen_attn is missing"
+    q, k, v = (t.contiguous() for t in (q_NHD, k_NHD, v_NHD))
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale, **causal)
 
 
 def _sdpa_per_sequence(

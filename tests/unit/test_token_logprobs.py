@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_async.engines.fsdp import _token_logprobs, _token_logprobs_lse
+from areal_async.engines.logprobs import pick_logprob_fn, token_logprobs, token_logprobs_lse
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
@@ -22,7 +22,7 @@ def test_logsumexp_form_matches_log_softmax_form(temperature: float) -> None:
     targets[3] = 11
     upstream = torch.randn(7)
     results = []
-    for form in (_token_logprobs, _token_logprobs_lse):
+    for form in (token_logprobs, token_logprobs_lse):
         lp, ent = form(hidden, targets, head, temperature, True)
         grads = torch.autograd.grad((lp * upstream).sum(), [hidden, head.weight])
         results.append((lp, ent, *grads))
@@ -31,3 +31,14 @@ def test_logsumexp_form_matches_log_softmax_form(temperature: float) -> None:
     lp, ent = results[0][:2]
     assert (lp <= 0).all() and (ent > 0).all()
     assert lp[3] > -1e-2, "row 3 was meant to be near-certain"
+
+
+def test_cpu_picks_the_torch_forms_and_refuses_the_triton_kernel() -> None:
+    """Without CUDA the eager form is used (compiled logsumexp form when compiling); asking for the
+    Triton kernels there is an error that names the setting to change."""
+    cpu = torch.device("cpu")
+    assert pick_logprob_fn(cpu, compile=False) is token_logprobs
+    assert pick_logprob_fn(cpu, compile=False, kernel="torch") is token_logprobs
+    assert pick_logprob_fn(cpu, compile=True) is not token_logprobs  # the compiled wrapper
+    with pytest.raises(ValueError, match="trainer.logprob_kernel=auto"):
+        pick_logprob_fn(cpu, compile=False, kernel="triton")
