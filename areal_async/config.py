@@ -397,10 +397,6 @@ class TrainerConfig:
     ``[tokens, vocab]`` logits (CUDA, needs Triton); ``torch`` = torch ops (compiled with
     ``compile``); ``auto`` = Triton where it runs."""
 
-    fused_projections: bool = False
-    """One matmul for q/k/v and one for gate/up in Llama/Qwen2 layers (`engines/fused_projections.py`);
-    parameters, checkpoints and published weights keep their names and shapes."""
-
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks")
         _non_negative(self, "eval_every")

@@ -164,7 +164,6 @@ class Learner:
             gradient_checkpointing=t.gradient_checkpointing,
             compile=t.compile,
             logprob_kernel=t.logprob_kernel,
-            fused_projections=t.fused_projections,
             seed=cfg.seed,
             temperature=temperature,
         )
@@ -177,7 +176,6 @@ class Learner:
                 micro_batch_tokens=t.micro_batch_tokens,
                 temperature=temperature,
                 logprob_kernel=t.logprob_kernel,
-                fused_projections=t.fused_projections,
             )
         self.rank = self.engine.rank
         self.world_size = self.engine.world_size

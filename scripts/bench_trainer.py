@@ -141,7 +141,6 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         compile=args.compile,
         packed={"auto": None, "on": True, "off": False}[args.packed],
         logprob_kernel=args.logprob_kernel,
-        fused_projections=args.fused_projections,
     )
     params = sum(p.numel() for p in engine.params)
     batch = make_batch(
@@ -178,7 +177,6 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         "dtype": dtype,
         "packed": engine.packed,
         "logprob_form": getattr(engine.model.logprob_fn, "__name__", "?"),
-        "fused_projections": args.fused_projections,
         "params": params,
         "seqs": len(batch),
         "tokens": real,
@@ -289,9 +287,6 @@ def main() -> None:
         choices=["auto", "triton", "torch"],
         default="auto",
         help="token logprob/entropy: Triton kernels (auto: where they run) or the torch forms",
-    )
-    parser.add_argument(
-        "--fused-projections", action="store_true", help="one matmul for q/k/v and one for gate/up"
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)

@@ -35,8 +35,7 @@ and more rows than one chunk each chunk is recomputed in backward, so the `[toke
 vocab]` logits never exist for the whole micro-batch. `temperature` divides the logits,
 matching the sampler that produced pi_behave. On CUDA with Triton the logprob and entropy
 come from one pass over the logits each way (`engines/logprob_triton.py`; `logprob_kernel`
-chooses, `engines/logprobs.py`). `fused_projections` runs q/k/v and gate/up as one matmul each
-(`engines/fused_projections.py`); parameter names and shapes do not change.
+chooses, `engines/logprobs.py`).
 
 Weights out. `save_hf(dir)` writes a Hugging Face directory (config.json,
 model.safetensors, tokenizer files of `model_path`) atomically and returns the manifest
@@ -76,7 +75,6 @@ from areal_async.engines.batching import (
     pack_tokens,
     to_device,
 )
-from areal_async.engines.fused_projections import fuse_projections
 from areal_async.weights_file import write_safetensors
 
 log = structlog.get_logger(__name__)
@@ -249,7 +247,6 @@ class FSDPTrainEngine:
         compile: bool = False,
         packed: bool | None = None,
         logprob_kernel: Literal["auto", "triton", "torch"] = "auto",
-        fused_projections: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -296,8 +293,6 @@ class FSDPTrainEngine:
                 enable({"use_reentrant": False})
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if fused_projections and not fuse_projections(hf):
-            log.warning("fused_projections: no supported attention/MLP module, model runs unfused")
         decoder_layers = hf.get_decoder().layers
         if compile:
             # Compile blocks, then shard the compiled wrappers (FSDP hooks stay outside the graphs);
