@@ -258,8 +258,6 @@ class FSDPTrainEngine:
             raise ValueError("micro_batch_tokens and logprob_chunk_tokens must be >= 1")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        if logprob_kernel not in ("auto", "triton", "torch"):
-            raise ValueError(f"logprob_kernel must be 'auto', 'triton' or 'torch', got {logprob_kernel!r}")
         self.model_path = Path(model_path)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -271,6 +269,7 @@ class FSDPTrainEngine:
         self.autocast_dtype = (
             torch.bfloat16 if resolve_train_dtype(dtype, self.device) == "bfloat16" else None
         )
+        logprob_fn = logprobs.pick_logprob_fn(self.device, compile, kernel=logprob_kernel)  # checks it first
         self.micro_batch_tokens = micro_batch_tokens
         self.packed = varlen.varlen_available(self.device, self.autocast_dtype) if packed is None else packed
         """Micro-batches as one packed row (no padding) instead of padded rows."""
@@ -300,7 +299,6 @@ class FSDPTrainEngine:
             for i, layer in enumerate(decoder_layers):
                 decoder_layers[i] = torch.compile(layer)
         layers = list(decoder_layers)
-        logprob_fn = logprobs.pick_logprob_fn(self.device, compile, kernel=logprob_kernel)
         self.model = _TokenLogprobModel(
             hf, temperature=temperature, chunk_tokens=logprob_chunk_tokens, logprob_fn=logprob_fn
         )

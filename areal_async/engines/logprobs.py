@@ -121,6 +121,8 @@ def pick_logprob_fn(device: torch.device, compile: bool, *, kernel: str = "auto"
     """The form for `device`: `kernel="auto"` takes the Triton form where it runs, `"triton"`
     insists on it, `"torch"` never uses it; otherwise the compiled logsumexp form when
     compiling, else the eager one."""
+    if kernel not in ("auto", "triton", "torch"):
+        raise ValueError(f"logprob_kernel must be 'auto', 'triton' or 'torch', got {kernel!r}")
     if kernel == "triton" and not logprob_triton.fused_available(device):
         raise ValueError(
             f"logprob_kernel='triton' needs a CUDA device and an importable Triton; the trainer runs on "

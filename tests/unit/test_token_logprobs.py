@@ -42,3 +42,5 @@ def test_cpu_picks_the_torch_forms_and_refuses_the_triton_kernel() -> None:
     assert pick_logprob_fn(cpu, compile=True) is not token_logprobs  # the compiled wrapper
     with pytest.raises(ValueError, match="trainer.logprob_kernel=auto"):
         pick_logprob_fn(cpu, compile=False, kernel="triton")
+    with pytest.raises(ValueError, match="logprob_kernel must be 'auto', 'triton' or 'torch', got 'fast'"):
+        pick_logprob_fn(cpu, compile=False, kernel="fast")
