@@ -397,14 +397,21 @@ class TrainerConfig:
     ``[tokens, vocab]`` logits (CUDA, needs Triton); ``torch`` = torch ops (compiled with
     ``compile``); ``auto`` = Triton where it runs."""
 
+    attention_kernel: Literal["auto", "triton", "flash"] = "auto"
+    """Attention over packed rows (CUDA, bf16): ``triton`` = this project's kernels (grouped K/V
+    gradients summed in registers); ``flash`` = FlashAttention-2 varlen from torch; ``auto`` =
+    Triton where it runs and its launch shapes were tuned (head_dim 64 or 128), else flash. CPU
+    trainers run exact SDPA per sequence whatever this says."""
+
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks")
         _non_negative(self, "eval_every")
-        if self.logprob_kernel == "triton" and self.device != "cuda":
-            raise ValueError(
-                f"logprob_kernel=triton runs only on CUDA, but device is {self.device!r}; "
-                "set trainer.logprob_kernel=auto (or torch), or trainer.device=cuda"
-            )
+        for key in ("logprob_kernel", "attention_kernel"):
+            if getattr(self, key) == "triton" and self.device != "cuda":
+                raise ValueError(
+                    f"{key}=triton runs only on CUDA, but device is {self.device!r}; "
+                    f"set trainer.{key}=auto, or trainer.device=cuda"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)

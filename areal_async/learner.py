@@ -164,6 +164,7 @@ class Learner:
             gradient_checkpointing=t.gradient_checkpointing,
             compile=t.compile,
             logprob_kernel=t.logprob_kernel,
+            attention_kernel=t.attention_kernel,
             seed=cfg.seed,
             temperature=temperature,
         )
@@ -176,6 +177,7 @@ class Learner:
                 micro_batch_tokens=t.micro_batch_tokens,
                 temperature=temperature,
                 logprob_kernel=t.logprob_kernel,
+                attention_kernel=t.attention_kernel,
             )
         self.rank = self.engine.rank
         self.world_size = self.engine.world_size

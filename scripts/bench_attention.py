@@ -9,6 +9,8 @@ lengths drawn from [--min-len, --max-len] until --tokens are filled:
 - `cudnn_varlen`: cuDNN ragged attention (`aten._cudnn_attention_forward/backward` with cumulative
   sequence lengths); K/V heads repeated to the query heads, their gradients summed back
   (torch's own `varlen_attn` keeps this path switched off)
+- `triton_varlen`: this project's Triton kernels (`engines/attention_triton.py`), grouped K/V in
+  place; `--sweep` also times each launch shape in `SWEEP` for each of its three kernels
 - `flex_varlen`: FlexAttention (`torch.nn.attention.flex_attention`, compiled Triton kernels) over the
   packed row with a same-sequence causal block mask (mask built once per micro-batch, not timed)
 - `cudnn_padded` / `flash_padded`: SDPA on the same sequences right-padded to the longest, batch-first
@@ -19,6 +21,7 @@ TFLOP/s count causal work only: 2 * L * (L + 1) * heads * head_dim per sequence 
 
     python scripts/bench_attention.py                     # Qwen2-0.5B heads on 51,200 tokens
     python scripts/bench_attention.py --heads 28 --kv-heads 4 --head-dim 128
+    python scripts/bench_attention.py --kernels flash_varlen,triton_varlen --sweep
 """
 
 from __future__ import annotations
@@ -33,7 +36,36 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from areal_async.engines import attention_triton
 from areal_async.engines.varlen import causal_varlen_attn
+
+SWEEP: dict[int, dict[str, list[tuple[int, int, int, int]]]] = {
+    64: {
+        "forward": [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 4), (128, 64, 4, 4)],
+        "dkdv": [(32, 128, 4, 3), (32, 128, 4, 2), (32, 128, 4, 5), (32, 64, 4, 3), (16, 64, 4, 3)],
+        "dq": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 5), (128, 64, 8, 4), (128, 32, 8, 3)],
+    },
+    128: {
+        "forward": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 2)],
+        "dkdv": [
+            (32, 64, 8, 2),
+            (32, 64, 4, 2),
+            (16, 64, 4, 3),
+            (16, 64, 8, 2),
+            (32, 128, 8, 2),
+            (64, 64, 8, 2),
+        ],
+        "dq": [
+            (64, 64, 8, 2),
+            (64, 64, 4, 2),
+            (64, 32, 4, 3),
+            (128, 64, 8, 2),
+            (128, 32, 8, 2),
+            (32, 32, 4, 3),
+        ],
+    },
+}
+"""Launch shapes `--sweep` tries per head size and Triton kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
 
 
 def lengths_for(tokens: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -166,13 +198,19 @@ def measure(
     try:
         fwd_s = timed(lambda: fn(q, k, v, cu, longest), iters)
         both_s = timed(step, iters)
+        for t in (q, k, v):
+            t.grad = None
         out = fn(q, k, v, cu, longest)
+        out.backward(g)
     except Exception as exc:  # a kernel this build lacks is reported, not fatal
         return row | {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    grads = [t.grad for t in (q, k, v)]
     if is_padded:
         out = torch.cat([out[i, :, :m].transpose(0, 1) for i, m in enumerate(lengths)])
+        grads = [torch.cat([t[i, :, :m].transpose(0, 1) for i, m in enumerate(lengths)]) for t in grads]
     if not reference:
-        reference.append(out.float())
+        reference += [t.float() for t in (out, *grads)]
+    grad_diff = max((a.float() - b).abs().max().item() for a, b in zip(grads, reference[1:], strict=True))
     return row | {
         "fwd_ms": round(fwd_s * 1e3, 3),
         "bwd_ms": round((both_s - fwd_s) * 1e3, 3),
@@ -180,7 +218,27 @@ def measure(
         "bwd_tflops": round(2.5 * fwd_flops / (both_s - fwd_s) / 1e12, 1),
         "fwd_bwd_tflops": round(3.5 * fwd_flops / both_s / 1e12, 1),
         "max_abs_diff_vs_first": round((out.float() - reference[0]).abs().max().item(), 4),
+        "max_abs_grad_diff_vs_first": round(grad_diff, 4),
     }
+
+
+def sweep_rows(measure_one: Callable[[str], dict[str, Any]], head_dim: int) -> list[dict[str, Any]]:
+    """Time `triton_varlen` with each shape in SWEEP for one kernel, the others at their default."""
+    rows = []
+    config = attention_triton.CONFIG[head_dim]
+    default = {name: dict(cfg) for name, cfg in config.items()}
+    for kernel, shapes in SWEEP[head_dim].items():
+        for block_m, block_n, warps, stages in shapes:
+            config[kernel] = {
+                "BLOCK_M": block_m,
+                "BLOCK_N": block_n,
+                "num_warps": warps,
+                "num_stages": stages,
+            }
+            rows.append(measure_one(f"triton_varlen[{kernel}={block_m}x{block_n}w{warps}s{stages}]"))
+            print(json.dumps(rows[-1]), flush=True)
+        config[kernel] = default[kernel]
+    return rows
 
 
 def main() -> None:
@@ -196,6 +254,7 @@ def main() -> None:
     parser.add_argument(
         "--kernels", default="flash_varlen,flex_varlen,cudnn_varlen,cudnn_padded,flash_padded"
     )
+    parser.add_argument("--sweep", action="store_true", help="also time each Triton launch shape in SWEEP")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
@@ -212,6 +271,7 @@ def main() -> None:
     fwd_flops = causal_flops(lengths, args.heads, args.head_dim)
     kernels = {
         "flash_varlen": causal_varlen_attn,
+        "triton_varlen": attention_triton.varlen_attention,
         "cudnn_varlen": cudnn_varlen,
         "cudnn_padded": padded("cudnn"),
         "flash_padded": padded("flash"),
@@ -220,10 +280,16 @@ def main() -> None:
         kernels["flex_varlen"] = flex_varlen(lengths)  # builds the block mask: only when asked for
     rows: list[dict[str, Any]] = []
     reference: list[torch.Tensor] = []
+
+    def measure_one(name: str) -> dict[str, Any]:
+        fn = kernels[name.split("[")[0]]
+        return measure(name, fn, (q0, k0, v0, grad), lengths, cu, fwd_flops, args.iters, reference)
+
     for name in args.kernels.split(","):
-        row = measure(name, kernels[name], (q0, k0, v0, grad), lengths, cu, fwd_flops, args.iters, reference)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(measure_one(name))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.sweep:
+        rows += sweep_rows(measure_one, args.head_dim)
     env = {
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),

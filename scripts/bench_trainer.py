@@ -33,6 +33,7 @@ import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,7 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         compile=args.compile,
         packed={"auto": None, "on": True, "off": False}[args.packed],
         logprob_kernel=args.logprob_kernel,
+        attention_kernel=args.attention_kernel,
     )
     params = sum(p.numel() for p in engine.params)
     batch = make_batch(
@@ -177,6 +179,7 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         "dtype": dtype,
         "packed": engine.packed,
         "logprob_form": getattr(engine.model.logprob_fn, "__name__", "?"),
+        "attention_kernel": engine.attention_kernel if engine.packed else "sdpa",
         "params": params,
         "seqs": len(batch),
         "tokens": real,
@@ -209,28 +212,44 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
 
 
 def profile_step(engine: FSDPTrainEngine, batch: list[TrainSequence], args: argparse.Namespace) -> None:
-    """One more train step under torch.profiler (pi_prox computed before it); print the top ops by
-    device time; with `--profile-out` also write every op's self time and call count as JSON."""
+    """One more pi_prox forward and train step, each under torch.profiler; print each one's top ops
+    by device time. With `--profile-out F` also write every op's self time and call count as JSON
+    (the train step to F, the pi_prox forward to F with suffix `.prox.json`); with `--trace-out T`
+    the timelines as Chrome traces (train step to T, pi_prox to T with `.prox` before `.json`;
+    gzipped when T ends in .gz)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    prox = engine.compute_logprobs(batch)
+
+    def profiled(fn: Callable[[], Any], out: Path | None, trace: Path | None = None) -> Any:
+        with profile(activities=activities) as prof:
+            result = fn()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+        key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=args.profile))
+        if out:
+            attr = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
+            ops = [
+                {"name": e.key, "self_us": getattr(e, attr), "calls": e.count}
+                for e in prof.key_averages()
+                if getattr(e, attr) > 0
+            ]
+            ops.sort(key=lambda o: -o["self_us"])
+            out.write_text(json.dumps(ops, indent=0))
+        if trace:
+            prof.export_chrome_trace(str(trace))
+        return result
+
+    prox_out = args.profile_out.with_suffix(".prox.json") if args.profile_out else None
+    prox_trace = (
+        args.trace_out.with_name(args.trace_out.name.replace(".json", ".prox.json", 1))
+        if args.trace_out
+        else None
+    )
+    prox = profiled(lambda: engine.compute_logprobs(batch), prox_out, prox_trace)
     seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(batch, prox, strict=True)]
-    with profile(activities=activities) as prof:
-        engine.train_step(seqs, ppo_loss)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-    key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=args.profile))
-    if args.profile_out:
-        attr = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
-        ops = [
-            {"name": e.key, "self_us": getattr(e, attr), "calls": e.count}
-            for e in prof.key_averages()
-            if getattr(e, attr) > 0
-        ]
-        ops.sort(key=lambda o: -o["self_us"])
-        args.profile_out.write_text(json.dumps(ops, indent=0))
+    profiled(lambda: engine.train_step(seqs, ppo_loss), args.profile_out, args.trace_out)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -288,6 +307,12 @@ def main() -> None:
         default="auto",
         help="token logprob/entropy: Triton kernels (auto: where they run) or the torch forms",
     )
+    parser.add_argument(
+        "--attention-kernel",
+        choices=["auto", "flash", "triton"],
+        default="auto",
+        help="packed attention on CUDA: FlashAttention-2 varlen (flash) or the Triton kernels",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -296,6 +321,9 @@ def main() -> None:
     parser.add_argument("--profile-out", type=Path, default=None, help="with --profile: every op as JSON")
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="profile one extra step; print the top N ops"
+    )
+    parser.add_argument(
+        "--trace-out", type=Path, default=None, help="with --profile: Chrome trace of the step"
     )
     parser.add_argument("--out", type=Path, default=None, help="write rows as JSON here")
     args = parser.parse_args()

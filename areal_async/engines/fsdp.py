@@ -35,7 +35,9 @@ and more rows than one chunk each chunk is recomputed in backward, so the `[toke
 vocab]` logits never exist for the whole micro-batch. `temperature` divides the logits,
 matching the sampler that produced pi_behave. On CUDA with Triton the logprob and entropy
 come from one pass over the logits each way (`engines/logprob_triton.py`; `logprob_kernel`
-chooses, `engines/logprobs.py`).
+chooses, `engines/logprobs.py`), and packed attention runs this project's Triton kernels
+(`engines/attention_triton.py`) or FlashAttention-2 varlen (`attention_kernel` chooses,
+`varlen.pick_attention_kernel`).
 
 Weights out. `save_hf(dir)` writes a Hugging Face directory (config.json,
 model.safetensors, tokenizer files of `model_path`) atomically and returns the manifest
@@ -185,7 +187,7 @@ class _TokenLogprobModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs and entropy `[n]` of the tokens at `hidden_index + 1` (`batching.ModelInputs`).
 
-        With `cu_seqlens` the row is packed and the decoder must run `varlen.ATTN_IMPLEMENTATION`.
+        With `cu_seqlens` the row is packed and the decoder must run one of `varlen.ATTN_IMPLEMENTATIONS`.
         """
         packed: dict[str, Any] = {}
         if cu_seqlens is not None:  # read by varlen.packed_attention_forward in every layer
@@ -247,8 +249,9 @@ class FSDPTrainEngine:
         compile: bool = False,
         packed: bool | None = None,
         logprob_kernel: Literal["auto", "triton", "torch"] = "auto",
+        attention_kernel: Literal["auto", "flash", "triton"] = "auto",
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         if dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
@@ -273,6 +276,12 @@ class FSDPTrainEngine:
         self.micro_batch_tokens = micro_batch_tokens
         self.packed = varlen.varlen_available(self.device, self.autocast_dtype) if packed is None else packed
         """Micro-batches as one packed row (no padding) instead of padded rows."""
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        head_dim = (
+            getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        self.attention_kernel = varlen.pick_attention_kernel(self.device, attention_kernel, head_dim)
+        """CUDA kernel of packed attention: `flash` (FlashAttention-2 varlen) or `triton`."""
         self.grad_clip = grad_clip
         self.version = 0
         """Policy version: optimizer steps taken since the initial weights (version 0)."""
@@ -281,7 +290,7 @@ class FSDPTrainEngine:
         hf = AutoModelForCausalLM.from_pretrained(
             self.model_path,
             dtype=torch.float32,
-            attn_implementation=varlen.ATTN_IMPLEMENTATION if self.packed else "sdpa",
+            attn_implementation=varlen.ATTN_IMPLEMENTATIONS[self.attention_kernel] if self.packed else "sdpa",
         )
         self.config = hf.config
         pad = getattr(hf.config, "pad_token_id", None)

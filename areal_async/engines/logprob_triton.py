@@ -12,8 +12,8 @@ number of passes is what matters:
 - backward (`_backward_kernel`, one program per row and vocabulary block): reads the logits once
   and writes their gradient g / T * (onehot(target) - softmax) once, in the logits' dtype.
 
-`fused_available(device)` says whether this path can run (CUDA and an importable Triton);
-`target_logprob(logits, targets, temperature, with_entropy)` is the autograd entry point.
+`triton_support.triton_available(device)` says whether this path can run (CUDA and an
+importable Triton); `target_logprob(logits, targets, temperature, with_entropy)` is the autograd entry point.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from areal_async.engines.triton_support import tl, triton
 
 FORWARD_BLOCK = 2048
 """Vocabulary entries one forward program reads per loop iteration (H200, 42k x 152k bf16 logits:
@@ -31,18 +33,6 @@ FORWARD_WARPS = 4
 
 BACKWARD_BLOCK = 8192
 """Vocabulary entries one backward program writes."""
-
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the torch forms in engines/logprobs.py are used
-    triton = None
-
-
-def fused_available(device: torch.device) -> bool:
-    """True where the Triton kernels can run: a CUDA device and an importable Triton."""
-    return device.type == "cuda" and triton is not None
 
 
 if triton is not None:
@@ -192,7 +182,7 @@ def target_logprob(
     `[N, V]` buffer); only for logits nothing else reads after this call, such as a head output
     made for it."""
     if triton is None:
-        raise RuntimeError("target_logprob needs Triton; check fused_available(device) first")
+        raise RuntimeError("target_logprob needs Triton; check triton_support.triton_available(device) first")
     if logits_NV.dim() != 2 or targets_N.shape != logits_NV.shape[:1]:
         raise ValueError(
             f"logits must be [N, V] and targets [N], got {tuple(logits_NV.shape)} and {tuple(targets_N.shape)}"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from areal_async.engines import logprob_triton
+from areal_async.engines import logprob_triton, triton_support
 
 ENTROPY_ROWS = 1024
 """Rows per block when the torch forms compute the entropy (bounds a float32 [rows, vocab] temporary)."""
@@ -123,13 +123,9 @@ def pick_logprob_fn(device: torch.device, compile: bool, *, kernel: str = "auto"
     compiling, else the eager one."""
     if kernel not in ("auto", "triton", "torch"):
         raise ValueError(f"logprob_kernel must be 'auto', 'triton' or 'torch', got {kernel!r}")
-    if kernel == "triton" and not logprob_triton.fused_available(device):
-        raise ValueError(
-            f"logprob_kernel='triton' needs a CUDA device and an importable Triton; the trainer runs on "
-            f"{device} {'without' if logprob_triton.triton is None else 'with'} Triton. "
-            "Set trainer.logprob_kernel=auto (or torch)"
-        )
-    if kernel != "torch" and logprob_triton.fused_available(device):
+    if kernel == "triton":
+        triton_support.require_triton(device, "logprob_kernel", "torch")
+    if kernel != "torch" and triton_support.triton_available(device):
         return fused_token_logprobs
     if compile:
         return torch.compile(token_logprobs_lse, dynamic=True)

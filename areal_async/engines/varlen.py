@@ -6,26 +6,31 @@ arguments transformers hands down to the attention function of every layer:
 `cu_seq_lens_q` / `cu_seq_lens_k` (int32 `[S + 1]`: 0, the end of each sequence in the row)
 and `max_length_q` / `max_length_k` (the longest sequence).
 
-`packed_attention_forward` is registered in transformers' `AttentionInterface` as
-`ATTN_IMPLEMENTATION`. On CUDA with 16-bit inputs it runs `torch.nn.attention.varlen.varlen_attn`
-(FlashAttention-2 varlen kernels, causal; grouped K/V heads are read in place, not repeated).
-Elsewhere (CPU, float32) it runs causal SDPA on each sequence in turn: exact, one call per
-sequence. Under autocast q, k and v are cast to the autocast dtype first, as SDPA would. No
+`packed_attention_forward` is registered in transformers' `AttentionInterface` twice, one name
+per CUDA kernel (`ATTN_IMPLEMENTATIONS`): `areal_packed` runs `torch.nn.attention.varlen.varlen_attn`
+(FlashAttention-2 varlen kernels, causal) and `areal_packed_triton` this project's Triton kernels
+(`engines/attention_triton.py`); both read grouped K/V heads in place, not repeated. Elsewhere
+(CPU, float32) either runs causal SDPA on each sequence in turn: exact, one call per sequence. Under autocast q, k and v are cast to the autocast dtype first, as SDPA would. No
 mask function is registered under the name, so transformers builds no attention mask for it.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-ATTN_IMPLEMENTATION = "areal_packed"
-"""`attn_implementation` name of `packed_attention_forward`."""
+from areal_async.engines import attention_triton, triton_support
+
+AttentionKernel = Literal["flash", "triton"]
+
+ATTN_IMPLEMENTATIONS: dict[AttentionKernel, str] = {"flash": "areal_packed", "triton": "areal_packed_triton"}
+"""`attn_implementation` name of `packed_attention_forward` for each CUDA kernel."""
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype | None) -> bool:
@@ -33,6 +38,28 @@ def varlen_available(device: torch.device, dtype: torch.dtype | None) -> bool:
     attention in 16 bits (`dtype`: the autocast dtype; None: float32)."""
     fp16 = dtype in (torch.float16, torch.bfloat16)
     return device.type == "cuda" and fp16 and _VARLEN_KWARGS is not None
+
+
+def pick_attention_kernel(device: torch.device, kernel: str, head_dim: int) -> AttentionKernel:
+    """The packed-attention kernel for `kernel` (`auto`, `flash` or `triton`) on `device`.
+
+    `auto` is `triton` where it runs (CUDA, importable Triton) for the head sizes its launch
+    shapes were tuned for (`attention_triton.TUNED_HEAD_DIMS`), else `flash`. `triton` needs a
+    CUDA device, Triton and a supported head size; asking for it without them raises a
+    ValueError that says what is missing (CPU packed rows run SDPA per sequence anyway)."""
+    if kernel not in ("auto", "flash", "triton"):
+        raise ValueError(f"attention_kernel must be 'auto', 'flash' or 'triton', got {kernel!r}")
+    runs = triton_support.triton_available(device)
+    if kernel == "triton":
+        triton_support.require_triton(device, "attention_kernel", "flash")
+    if kernel == "triton" and head_dim not in attention_triton.HEAD_DIMS:
+        raise ValueError(
+            f"attention_kernel='triton' supports head_dim {sorted(attention_triton.HEAD_DIMS)}, the model has "
+            f"{head_dim}; set trainer.attention_kernel=auto (or flash)"
+        )
+    if kernel == "triton" or (kernel == "auto" and runs and head_dim in attention_triton.TUNED_HEAD_DIMS):
+        return "triton"
+    return "flash"
 
 
 def _varlen_kwargs() -> dict[str, Any] | None:
@@ -60,17 +87,21 @@ def packed_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    *,
+    kernel: AttentionKernel = "flash",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within each packed sequence: `[1, heads, N, D]` in, `[1, N, heads, D]` out."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None or query.shape[0] != 1:
         raise ValueError(
-            f"attn_implementation {ATTN_IMPLEMENTATION!r} needs one packed row and cu_seq_lens_q; "
+            f"attn_implementation {ATTN_IMPLEMENTATIONS[kernel]!r} needs one packed row and cu_seq_lens_q; "
             "call the decoder with packed inputs (batching.model_inputs(..., packed=True))"
         )
     if sliding_window is not None or dropout != 0.0:
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} supports neither sliding-window attention nor dropout")
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATIONS[kernel]!r} supports neither sliding-window attention nor dropout"
+        )
     device = query.device.type
     if torch.is_autocast_enabled(device):
         # A custom op escapes autocast, and rotary embeddings in float32 promote q and k to it.
@@ -78,7 +109,8 @@ def packed_attention_forward(
         query, key, value = (t.to(dtype) for t in (query, key, value))
     q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query, key, value))
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        out_NHD = causal_varlen_attn(q_NHD, k_NHD, v_NHD, cu_seqlens, kwargs["max_length_q"], scaling)
+        attend = attention_triton.varlen_attention if kernel == "triton" else causal_varlen_attn
+        out_NHD = attend(q_NHD, k_NHD, v_NHD, cu_seqlens, kwargs["max_length_q"], scaling)
     else:
         out_NHD = _sdpa_per_sequence(query, key, value, cu_seqlens.tolist(), scaling)
     return out_NHD.unsqueeze(0), None
@@ -117,4 +149,5 @@ def _sdpa_per_sequence(
 
 
 _VARLEN_KWARGS = _varlen_kwargs()  # resolved once, outside any torch.compile'd layer
-AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+for _kernel, _name in ATTN_IMPLEMENTATIONS.items():
+    AttentionInterface.register(_name, functools.partial(packed_attention_forward, kernel=_kernel))

@@ -88,10 +88,13 @@ def test_chunked_logprob_recompute_gives_the_same_step_on_cuda(model_dir: Path) 
     assert chunked["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-3)
 
 
+@pytest.mark.parametrize("attention_kernel", ["flash", "triton"])
 @pytest.mark.parametrize("compile", [False, True])
-def test_packed_varlen_rows_train_like_padded_rows_on_cuda(model_dir: Path, compile: bool) -> None:
-    """One packed row per micro-batch through the varlen kernel (the CUDA bf16 default) gives the
-    padded rows' logprobs and gradient, within bf16 precision, compiled or not."""
+def test_packed_varlen_rows_train_like_padded_rows_on_cuda(
+    model_dir: Path, compile: bool, attention_kernel: str
+) -> None:
+    """One packed row per micro-batch through a varlen kernel (FlashAttention-2 or the Triton
+    kernels) gives the padded rows' logprobs and gradient, within bf16 precision, compiled or not."""
     from areal_async.engines.varlen import varlen_available
 
     assert varlen_available(torch.device("cuda"), torch.bfloat16)
@@ -99,8 +102,8 @@ def test_packed_varlen_rows_train_like_padded_rows_on_cuda(model_dir: Path, comp
     # eps >> |grad|: Adam's first update is lr * grad / (|grad| + eps), proportional to the gradient.
     options: dict[str, object] = {"lr": 1e3, "eps": 1e3, "grad_clip": 0.0, "compile": compile}
     padded = make_engine(model_dir, packed=False, **options)
-    packed = make_engine(model_dir, **options)
-    assert packed.packed
+    packed = make_engine(model_dir, attention_kernel=attention_kernel, **options)
+    assert packed.packed and packed.attention_kernel == attention_kernel
     for a, b in zip(padded.compute_logprobs(batch), packed.compute_logprobs(batch), strict=True):
         torch.testing.assert_close(b, a, atol=0.05, rtol=0)
     before = torch.cat([p.detach().flatten() for p in packed.params])

@@ -107,17 +107,16 @@ def test_kv_after_load_is_checked_against_the_engine() -> None:
         )
 
 
-def test_logprob_kernel_triton_needs_a_cuda_trainer() -> None:
+@pytest.mark.parametrize("key", ["logprob_kernel", "attention_kernel"])
+def test_triton_kernels_need_a_cuda_trainer(key: str) -> None:
     """auto is the default; triton on a CPU trainer is refused with the keys to change."""
-    assert load_config(None, []).trainer.logprob_kernel == "auto"
-    cfg = load_config(None, ["trainer.device=cuda", "trainer.logprob_kernel=triton"])
-    assert cfg.trainer.logprob_kernel == "triton"
-    with pytest.raises(
-        ConfigError, match=r"logprob_kernel=triton runs only on CUDA.*trainer.logprob_kernel=auto"
-    ):
-        load_config(None, ["trainer.logprob_kernel=triton"])
-    with pytest.raises(ConfigError, match=r"logprob_kernel: 'fast' is not one of"):
-        load_config(None, ["trainer.logprob_kernel=fast"])
+    assert getattr(load_config(None, []).trainer, key) == "auto"
+    cfg = load_config(None, ["trainer.device=cuda", f"trainer.{key}=triton"])
+    assert getattr(cfg.trainer, key) == "triton"
+    with pytest.raises(ConfigError, match=rf"{key}=triton runs only on CUDA.*trainer.{key}=auto"):
+        load_config(None, [f"trainer.{key}=triton"])
+    with pytest.raises(ConfigError, match=rf"{key}: 'fast' is not one of"):
+        load_config(None, [f"trainer.{key}=fast"])
 
 
 def test_weights_root_defaults_to_the_run_dir_and_takes_the_run_name() -> None:

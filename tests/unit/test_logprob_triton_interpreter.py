@@ -9,16 +9,7 @@ subprocess, so the suite's torch never sees it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-TRITON_DIR = Path(os.environ.get("AREAL_TRITON_DIR", ROOT / ".cache" / "triton"))
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 CHECK = r"""
 import json, torch
@@ -58,23 +49,12 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(
-    not (TRITON_DIR / "triton").is_dir(), reason=f"no Triton at {TRITON_DIR} (scripts/test.sh installs it)"
-)
+@needs_triton
 def test_kernels_match_the_eager_form_under_the_interpreter() -> None:
     """Logprob, entropy and both gradients (relative to their largest entry) agree to float32 rounding for a vocabulary smaller than one
     block and one that ends in a partial block, two temperatures, with and without the in-place
     gradient; with the entropy off it is exactly zero."""
-    env = os.environ | {
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(TRITON_DIR), str(ROOT)]),
-        "PYTHONWARNINGS": "ignore",
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    cases = json.loads(run.stdout.strip().splitlines()[-1])
+    cases = run_interpreted(CHECK)
     assert len(cases) == 8
     for case in cases:
         assert case["logprob"] < 1e-5 and case["entropy"] < 2e-5, case
