@@ -77,17 +77,21 @@ def build_sequences(
         overlong_penalty=loss.overlong_penalty,
         max_new_tokens=max_new_tokens,
     )
+    # Tensors, not lists: the engine collates each sequence twice per step (pi_prox, update), and
+    # copying a tensor costs a fraction of converting a list. Clones, so a shard pickled to another
+    # rank carries its own values, not the whole advantage matrix.
     seqs: list[TrainSequence] = []
     row = 0
     for g in groups:
+        prompt = torch.as_tensor(g.prompt_ids, dtype=torch.long)
         for completion, behave in zip(g.completions, g.behave_logprobs, strict=True):
             n = len(completion)
             seqs.append(
                 TrainSequence(
-                    prompt_ids=g.prompt_ids,
-                    completion_ids=completion,
-                    behave_logprobs=behave,
-                    advantages=adv_BT[row, :n].tolist(),
+                    prompt_ids=prompt,
+                    completion_ids=torch.as_tensor(completion, dtype=torch.long),
+                    behave_logprobs=torch.as_tensor(behave, dtype=torch.float32),
+                    advantages=adv_BT[row, :n].clone(),
                 )
             )
             row += 1
@@ -192,10 +196,10 @@ class Learner:
         started = time.perf_counter()
         if self.loss.decoupled:
             for s, prox in zip(seqs, self.engine.compute_logprobs(seqs), strict=True):
-                s.prox_logprobs = prox.tolist()
+                s.prox_logprobs = prox
         if self.ref is not None:
             for s, ref in zip(seqs, self.ref.compute_logprobs(seqs), strict=True):
-                s.ref_logprobs = ref.tolist()
+                s.ref_logprobs = ref
         prox_s = time.perf_counter() - started
         loss = self.loss
 

@@ -98,9 +98,18 @@ def packed_attention_forward(
             f"attn_implementation {ATTN_IMPLEMENTATIONS[kernel]!r} needs one packed row and cu_seq_lens_q; "
             "call the decoder with packed inputs (batching.model_inputs(..., packed=True))"
         )
-    if sliding_window is not None or dropout != 0.0:
+    unsupported = {
+        "sliding-window attention": sliding_window is not None,
+        "attention dropout": dropout != 0.0,
+        "logit soft-capping (softcap)": kwargs.get("softcap") is not None,
+        "attention sinks (s_aux)": kwargs.get("s_aux") is not None,
+        "non-causal attention": not getattr(module, "is_causal", True),
+    }
+    if any(unsupported.values()):
+        features = ", ".join(name for name, used in unsupported.items() if used)
         raise ValueError(
-            f"{ATTN_IMPLEMENTATIONS[kernel]!r} supports neither sliding-window attention nor dropout"
+            f"{ATTN_IMPLEMENTATIONS[kernel]!r} computes plain causal attention; this model's layer uses "
+            f"{features}. Train it with padded rows (FSDPTrainEngine(packed=False))"
         )
     device = query.device.type
     if torch.is_autocast_enabled(device):
