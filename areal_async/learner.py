@@ -4,9 +4,11 @@ Pipeline of one step (DESIGN section 7), on B groups of G completions:
 
 1. advantages from the outcome rewards (``algo.advantages.compute_advantages`` with the
    run's LossConfig: shaping, group baseline/std, batch normalisation, overlong penalty);
-2. the batch is split over the trainer ranks (``shard``); each rank computes pi_prox with one
-   no-grad forward (when the decoupled loss is on) and reference logprobs (when KL is on);
-3. ``FSDPTrainEngine.train_step`` with ``policy_loss`` as the loss; the denominator is the
+2. the batch is split over the trainer ranks (``shard``); each rank computes reference
+   logprobs (when KL is on);
+3. ``FSDPTrainEngine.train_step`` with ``policy_loss`` as the loss: when the decoupled loss is
+   on it first computes pi_prox with one no-grad forward of each micro-batch
+   (``compute_prox``), then updates on the same micro-batches; the denominator is the
    global one (``loss_denominator`` summed over every sequence), so the result is the
    exact token mean over the whole batch on every rank count.
 
@@ -194,13 +196,10 @@ class Learner:
 
     def _step_local(self, seqs: list[TrainSequence], denominator: float) -> dict[str, float]:
         started = time.perf_counter()
-        if self.loss.decoupled:
-            for s, prox in zip(seqs, self.engine.compute_logprobs(seqs), strict=True):
-                s.prox_logprobs = prox
         if self.ref is not None:
             for s, ref in zip(seqs, self.ref.compute_logprobs(seqs), strict=True):
                 s.ref_logprobs = ref
-        prox_s = time.perf_counter() - started
+        ref_s = time.perf_counter() - started
         loss = self.loss
 
         def loss_fn(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -226,8 +225,9 @@ class Learner:
                 kl_in_reward=loss.kl_in_reward,
             )
 
-        metrics = self.engine.train_step(seqs, loss_fn)
-        metrics["prox_seconds"] = prox_s
+        # pi_prox comes from the step's own micro-batches (train_step's compute_prox).
+        metrics = self.engine.train_step(seqs, loss_fn, compute_prox=loss.decoupled)
+        metrics["ref_seconds"] = ref_s
         return metrics
 
     def execute(self, cmd: LearnerCommand) -> Any:

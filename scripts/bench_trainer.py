@@ -4,8 +4,10 @@ Each configuration builds an `FSDPTrainEngine`, makes a batch of `--seqs` sequen
 (prompt `--prompt-len`, completion lengths drawn uniformly from
 `[(1 - jitter) * completion_len, completion_len]`), runs `--warmup` untimed steps, then
 `--steps` timed ones. A step is what the trainer does per batch: one no-grad forward for
-pi_prox (`compute_logprobs`, timed separately) and `train_step` with a decoupled-PPO-style
-loss. MFU = 6 * params * tokens / train_step seconds / peak (tokens are non-pad tokens);
+pi_prox and the update with a decoupled-PPO-style loss, both in one `train_step(...,
+compute_prox=True)` as the learner runs them (`--prox separate`: `compute_logprobs` first, then
+`train_step`). The update's time is the step's minus the pi_prox pass's (`prox_seconds`).
+MFU = 6 * params * tokens / update seconds / peak (tokens are non-pad tokens);
 `mfu_with_attn` adds the causal attention matmuls (3 x forward: 2 * L * (L + 1) * heads * head_dim
 per layer and sequence of length L), as PaLM-style MFU does.
 
@@ -158,16 +160,22 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         torch.cuda.reset_peak_memory_stats()
     step_s, prox_s, loss = [], [], float("nan")
     for step in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        prox = engine.compute_logprobs(batch)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        prox_seconds = time.perf_counter() - start
-        seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(batch, prox, strict=True)]
-        metrics = engine.train_step(seqs, ppo_loss)
+        if args.prox == "in-step":
+            metrics = engine.train_step(batch, ppo_loss, compute_prox=True)
+            prox_seconds = metrics["prox_seconds"]
+            update_seconds = metrics["compute_seconds"] - prox_seconds
+        else:
+            start = time.perf_counter()
+            prox = engine.compute_logprobs(batch)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            prox_seconds = time.perf_counter() - start
+            seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(batch, prox, strict=True)]
+            metrics = engine.train_step(seqs, ppo_loss)
+            update_seconds = metrics["compute_seconds"]
         loss = metrics["loss"]
         if step >= args.warmup:
-            step_s.append(metrics["compute_seconds"])
+            step_s.append(update_seconds)
             prox_s.append(prox_seconds)
     if args.profile:
         profile_step(engine, batch, args)
@@ -180,6 +188,7 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         "packed": engine.packed,
         "logprob_form": getattr(engine.model.logprob_fn, "__name__", "?"),
         "attention_kernel": engine.attention_kernel if engine.packed else "sdpa",
+        "prox": args.prox,
         "params": params,
         "seqs": len(batch),
         "tokens": real,
@@ -312,6 +321,12 @@ def main() -> None:
         choices=["auto", "flash", "triton"],
         default="auto",
         help="packed attention on CUDA: FlashAttention-2 varlen (flash) or the Triton kernels",
+    )
+    parser.add_argument(
+        "--prox",
+        choices=["in-step", "separate"],
+        default="in-step",
+        help="pi_prox inside train_step (compute_prox, as the learner) or a compute_logprobs call before it",
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)

@@ -223,6 +223,31 @@ class _TokenLogprobModel(nn.Module):
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+class _StepClock:
+    """Seconds from the start of a step to one marked point, read once the step has synced: CUDA
+    events on CUDA, so marking adds no host-device sync; the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.start = self._now()
+        self.end: Any = None
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        self.end = self._now()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self.start.elapsed_time(self.end) / 1e3
+        return self.end - self.start
+
+
 class FSDPTrainEngine:
     """A causal LM, its AdamW optimizer and lr schedule; one instance per rank."""
 
@@ -451,13 +476,24 @@ class FSDPTrainEngine:
         return out
 
     def train_step(
-        self, seqs: Sequence[TrainSequence], loss_fn: LossFn, *, global_tokens: int | float | None = None
+        self,
+        seqs: Sequence[TrainSequence],
+        loss_fn: LossFn,
+        *,
+        global_tokens: int | float | None = None,
+        compute_prox: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on this rank's shard `seqs`; returns metrics reduced over ranks.
 
         `global_tokens` is the loss denominator of the whole step, handed to `loss_fn` as
         `mb["global_tokens"]`; None means the completion tokens of all ranks (token mean).
         Pass the global sequence count (etc.) for sequence-mean aggregations.
+
+        `compute_prox`: first compute pi_prox with a no-grad forward of every micro-batch (what
+        `compute_logprobs` returns) into `mb["prox_logprobs"]`, replacing the sequences' own,
+        then update on the same micro-batches: each is collated and copied to the device once,
+        and no host round trip separates the two passes. Adds the metric prox_seconds (from the
+        start of the step to the end of that pass, slowest rank; part of compute_seconds).
 
         Metrics: loss (sum over micro-batches and ranks), grad_norm (global, before
         clipping), lr (used by this step), entropy (mean over completion tokens),
@@ -470,7 +506,7 @@ class FSDPTrainEngine:
         """
         self._sync()
         start = time.perf_counter()
-        self.model.train()
+        clock = _StepClock(self.device)
         local_loss_tokens = sum(s.num_completion_tokens for s in seqs)
         local_tokens = sum(s.length for s in seqs)
         if global_tokens is None:
@@ -481,12 +517,25 @@ class FSDPTrainEngine:
         entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stats_acc: dict[str, torch.Tensor] = {}
         bins = self._micro_batches(seqs)
-        for bin_ in bins:
+        collated: list[tuple[dict[str, torch.Tensor], ModelInputs] | None] = [None] * len(bins)
+        if compute_prox:
+            self.model.eval()
+            with torch.no_grad():
+                for k, bin_ in enumerate(bins):
+                    if bin_ is None:
+                        self._forward(*self._empty_batch(), with_entropy=False)
+                        continue
+                    mb, inputs = collated[k] = self._collate([seqs[i] for i in bin_])
+                    mb["prox_logprobs"], _ = self._forward(mb, inputs, with_entropy=False)
+            clock.mark()
+        self.model.train()
+        for k, bin_ in enumerate(bins):
             if bin_ is None:
                 logprobs_BT, _ = self._forward(*self._empty_batch())
                 (logprobs_BT.sum() * 0.0).backward()
                 continue
-            mb, inputs = self._collate([seqs[i] for i in bin_])
+            mb, inputs = collated[k] or self._collate([seqs[i] for i in bin_])
+            collated[k] = None
             logprobs_BT, entropy_BT = self._forward(mb, inputs)
             mb.update(logprobs=logprobs_BT, entropy=entropy_BT, global_tokens=denominator)
             loss, stats = loss_fn(mb)
@@ -518,9 +567,11 @@ class FSDPTrainEngine:
         seconds = time.perf_counter() - start
 
         engine_sums = [loss_sum, entropy_sum, float(local_tokens), float(local_loss_tokens)]
-        sums, maxes = self._reduce_stats(stats_acc, engine_sums, [seconds])
+        engine_maxes = [seconds] + ([clock.seconds()] if compute_prox else [])
+        sums, maxes = self._reduce_stats(stats_acc, engine_sums, engine_maxes)
         loss_value, entropy_total, total_tokens, loss_tokens = (sums.pop(k) for k in range(4))
         seconds = maxes.pop(0)
+        prox_seconds = maxes.pop(1) if compute_prox else None
         metrics: dict[str, float] = {
             "loss": loss_value,
             "grad_norm": grad_norm,
@@ -533,6 +584,8 @@ class FSDPTrainEngine:
             "micro_batches": float(len(bins)),
             "skipped": float(skipped),
         }
+        if prox_seconds is not None:
+            metrics["prox_seconds"] = prox_seconds
         for key, value in (sums | maxes).items():
             metrics[f"loss_fn/{key}" if key in metrics else key] = value
         log.debug("train step done", policy_version=self.version, **metrics)

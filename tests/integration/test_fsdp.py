@@ -54,6 +54,20 @@ def pg_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.
     return loss, stats
 
 
+def ratio_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy gradient through the ratio to pi_prox; reports pi_prox's sum over completion tokens."""
+    mask = mb["mask"].float()
+    ratio = torch.exp(mb["logprobs"] - mb["prox_logprobs"])
+    loss = -(mb["advantages"] * ratio * mask).sum() / mb["global_tokens"]
+    return loss, {"prox_sum": (mb["prox_logprobs"] * mask).sum(), "ratio_max": (ratio * mask).amax()}
+
+
+def with_prox(engine: FSDPTrainEngine, seqs: list[TrainSequence]) -> list[TrainSequence]:
+    """`seqs` with pi_prox from a separate `compute_logprobs` pass."""
+    prox = engine.compute_logprobs(seqs)
+    return [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(seqs, prox, strict=True)]
+
+
 def make_engine(model_dir: Path, **kw: Any) -> FSDPTrainEngine:
     options: dict[str, Any] = {"lr": 1e-3, "total_steps": 10, "micro_batch_tokens": 24, "grad_clip": 1.0}
     return FSDPTrainEngine(model_dir, **(options | kw))
@@ -94,6 +108,9 @@ def _rank_main(rank: int, model_dir: Path, out_dir: Path, port: int) -> None:
             (a.to_local() - b.to_local()).abs().max().item()
             for a, b in zip(engine.model.parameters(), resumed.model.parameters(), strict=True)
         )
+        # pi_prox inside the step (rank 1 pads with empty passes) == a separate pass before it.
+        result["prox_in_step"] = engine.train_step(shard, ratio_loss, compute_prox=True)
+        result["prox_before"] = resumed.train_step(with_prox(resumed, shard), ratio_loss)
         torch.save(result, out_dir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -157,6 +174,9 @@ def test_two_fsdp_ranks_match_one_process(tied_model: Path, tmp_path: Path) -> N
         assert r["resumed_version"] == STEPS
         assert r["resume_loss"][0] == pytest.approx(r["resume_loss"][1], abs=1e-7)
         assert r["resume_max_diff"] <= 1e-6
+        for key in ("loss", "grad_norm", "prox_sum", "ratio_max"):
+            assert r["prox_in_step"][key] == pytest.approx(r["prox_before"][key], rel=1e-5, abs=1e-6), key
+        assert 0 < r["prox_in_step"]["prox_seconds"] < r["prox_in_step"]["compute_seconds"]
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
@@ -229,6 +249,33 @@ def test_bf16_training_raises_the_logprob_of_rewarded_tokens(tied_model: Path) -
     assert gain > 0
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())
     assert engine.version == 3
+
+
+def test_prox_computed_in_the_step_equals_a_separate_pass(tied_model: Path) -> None:
+    """train_step(compute_prox=True) hands the loss the logprobs compute_logprobs returns and
+    makes the same update; it reports how long that pass took."""
+    batch = make_batch()
+    in_step, before = make_engine(tied_model), make_engine(tied_model)
+    seen: list[torch.Tensor] = []
+
+    def recording_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        seen.append(mb["prox_logprobs"][mb["mask"]])
+        return ratio_loss(mb)
+
+    for _ in range(2):
+        seqs = with_prox(before, batch)
+        seen.clear()
+        a = in_step.train_step(batch, recording_loss, compute_prox=True)
+        got = torch.cat(seen)
+        seen.clear()
+        b = before.train_step(seqs, recording_loss)
+        torch.testing.assert_close(got, torch.cat(seen), atol=1e-6, rtol=0)
+        for key in ("loss", "grad_norm", "prox_sum", "ratio_max"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+        assert a["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # pi_theta == pi_prox before the update
+        assert 0 < a["prox_seconds"] < a["compute_seconds"] and "prox_seconds" not in b
+    for p, q in zip(in_step.model.parameters(), before.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
 
 
 def test_the_policy_loss_plugs_into_the_engine(tied_model: Path) -> None:
