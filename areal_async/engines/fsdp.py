@@ -301,7 +301,7 @@ class FSDPTrainEngine:
         self.micro_batch_tokens = micro_batch_tokens
         self.packed = varlen.varlen_available(self.device, self.autocast_dtype) if packed is None else packed
         """Micro-batches as one packed row (no padding) instead of padded rows."""
-        hf_config = AutoConfig.from_pretrained(self.model_path)
+        hf_config = AutoConfig.from_pretrained(self.model_path)  # read once, handed to the model below
         head_dim = (
             getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         )
@@ -314,6 +314,7 @@ class FSDPTrainEngine:
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_pretrained(
             self.model_path,
+            config=hf_config,
             dtype=torch.float32,
             attn_implementation=varlen.ATTN_IMPLEMENTATIONS[self.attention_kernel] if self.packed else "sdpa",
         )
@@ -452,20 +453,36 @@ class FSDPTrainEngine:
     # ------------------------------------------------------------------ public
 
     @torch.no_grad()
-    def compute_logprobs(self, seqs: Sequence[TrainSequence]) -> list[torch.Tensor]:
-        """No-grad float32 logprobs of each sequence's completion tokens (CPU tensors of length C).
-
-        Used for pi_prox at the start of a step and for reference-model logprobs. Collective.
-        """
+    def _logprob_pass(
+        self, seqs: Sequence[TrainSequence], bins: list[list[int] | None]
+    ) -> list[tuple[dict[str, torch.Tensor], ModelInputs, torch.Tensor] | None]:
+        """No-grad forward of every bin of `_micro_batches` (an empty pass for None): per bin its
+        collated batch, model inputs and `[b, T]` float32 logprobs (None for an empty pass)."""
         self.model.eval()
-        order: list[int] = []
-        parts: list[torch.Tensor] = []
-        for bin_ in self._micro_batches(seqs):
+        out: list[tuple[dict[str, torch.Tensor], ModelInputs, torch.Tensor] | None] = []
+        for bin_ in bins:
             if bin_ is None:
                 self._forward(*self._empty_batch(), with_entropy=False)
+                out.append(None)
                 continue
             mb, inputs = self._collate([seqs[i] for i in bin_])
             logprobs_BT, _ = self._forward(mb, inputs, with_entropy=False)
+            out.append((mb, inputs, logprobs_BT))
+        return out
+
+    def compute_logprobs(self, seqs: Sequence[TrainSequence]) -> list[torch.Tensor]:
+        """No-grad float32 logprobs of each sequence's completion tokens (CPU tensors of length C).
+
+        Used for reference-model logprobs (and pi_prox outside `train_step(compute_prox=True)`).
+        Collective.
+        """
+        bins = self._micro_batches(seqs)
+        order: list[int] = []
+        parts: list[torch.Tensor] = []
+        for bin_, done in zip(bins, self._logprob_pass(seqs, bins), strict=True):
+            if bin_ is None or done is None:
+                continue
+            _, inputs, logprobs_BT = done
             # Completion tokens of the bin's rows in row order; one copy to the host at the end.
             parts.append(logprobs_BT.flatten().index_select(0, inputs.target_index))
             order += bin_
@@ -517,16 +534,8 @@ class FSDPTrainEngine:
         entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stats_acc: dict[str, torch.Tensor] = {}
         bins = self._micro_batches(seqs)
-        collated: list[tuple[dict[str, torch.Tensor], ModelInputs] | None] = [None] * len(bins)
+        prox = self._logprob_pass(seqs, bins) if compute_prox else [None] * len(bins)
         if compute_prox:
-            self.model.eval()
-            with torch.no_grad():
-                for k, bin_ in enumerate(bins):
-                    if bin_ is None:
-                        self._forward(*self._empty_batch(), with_entropy=False)
-                        continue
-                    mb, inputs = collated[k] = self._collate([seqs[i] for i in bin_])
-                    mb["prox_logprobs"], _ = self._forward(mb, inputs, with_entropy=False)
             clock.mark()
         self.model.train()
         for k, bin_ in enumerate(bins):
@@ -534,8 +543,13 @@ class FSDPTrainEngine:
                 logprobs_BT, _ = self._forward(*self._empty_batch())
                 (logprobs_BT.sum() * 0.0).backward()
                 continue
-            mb, inputs = collated[k] or self._collate([seqs[i] for i in bin_])
-            collated[k] = None
+            done = prox[k]
+            prox[k] = None  # drop the pass's reference: each batch lives until its update only
+            if done is None:
+                mb, inputs = self._collate([seqs[i] for i in bin_])
+            else:
+                mb, inputs, prox_BT = done
+                mb["prox_logprobs"] = prox_BT
             logprobs_BT, entropy_BT = self._forward(mb, inputs)
             mb.update(logprobs=logprobs_BT, entropy=entropy_BT, global_tokens=denominator)
             loss, stats = loss_fn(mb)

@@ -10,8 +10,9 @@ and `max_length_q` / `max_length_k` (the longest sequence).
 per CUDA kernel (`ATTN_IMPLEMENTATIONS`): `areal_packed` runs `torch.nn.attention.varlen.varlen_attn`
 (FlashAttention-2 varlen kernels, causal) and `areal_packed_triton` this project's Triton kernels
 (`engines/attention_triton.py`); both read grouped K/V heads in place, not repeated. Elsewhere
-(CPU, float32) either runs causal SDPA on each sequence in turn: exact, one call per sequence. Under autocast q, k and v are cast to the autocast dtype first, as SDPA would. No
-mask function is registered under the name, so transformers builds no attention mask for it.
+(CPU, float32) either runs causal SDPA on each sequence in turn: exact, one call per sequence.
+Under autocast q, k and v are cast to the autocast dtype first, as SDPA would. No mask function
+is registered under the names, so transformers builds no attention mask for them.
 """
 
 from __future__ import annotations
@@ -49,17 +50,16 @@ def pick_attention_kernel(device: torch.device, kernel: str, head_dim: int) -> A
     ValueError that says what is missing (CPU packed rows run SDPA per sequence anyway)."""
     if kernel not in ("auto", "flash", "triton"):
         raise ValueError(f"attention_kernel must be 'auto', 'flash' or 'triton', got {kernel!r}")
-    runs = triton_support.triton_available(device)
     if kernel == "triton":
         triton_support.require_triton(device, "attention_kernel", "flash")
-    if kernel == "triton" and head_dim not in attention_triton.HEAD_DIMS:
-        raise ValueError(
-            f"attention_kernel='triton' supports head_dim {sorted(attention_triton.HEAD_DIMS)}, the model has "
-            f"{head_dim}; set trainer.attention_kernel=auto (or flash)"
-        )
-    if kernel == "triton" or (kernel == "auto" and runs and head_dim in attention_triton.TUNED_HEAD_DIMS):
+        if head_dim not in attention_triton.HEAD_DIMS:
+            raise ValueError(
+                f"attention_kernel='triton' supports head_dim {sorted(attention_triton.HEAD_DIMS)}, the model "
+                f"has {head_dim}; set trainer.attention_kernel=auto (or flash)"
+            )
         return "triton"
-    return "flash"
+    tuned = head_dim in attention_triton.TUNED_HEAD_DIMS
+    return "triton" if kernel == "auto" and tuned and triton_support.triton_available(device) else "flash"
 
 
 def _varlen_kwargs() -> dict[str, Any] | None:
