@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from areal_async.files import fsync_tree, replace_dir, write_text_atomic
+
 if TYPE_CHECKING:
     from areal_async.engines.fsdp import FSDPTrainEngine
 
@@ -71,47 +73,6 @@ def find_latest(root: str | os.PathLike[str]) -> Path | None:
         log.warning("latest pointer names no checkpoint, scanning", pointer=str(pointer), target=str(target))
     dirs = _step_dirs(ckpt_dir)
     return dirs[-1] if dirs else None
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a directory entry (after a rename or create) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file directly under `root`, then `root` itself."""
-    for p in root.iterdir():
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_dir(root)
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Rename directory `src` to `dst` atomically; an existing `dst` is swapped out, then deleted."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".old-{dst.name}-{os.getpid()}")
-        os.rename(dst, old)
-    os.rename(src, dst)
-    fsync_dir(dst.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temp file next to `path`, fsync, and rename over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
+from areal_async.algo.staleness import default_max_inflight
 from areal_async.errors import ConfigError
 
 # --------------------------------------------------------------------------------------
@@ -167,10 +168,11 @@ class RolloutConfig:
     """Completions sampled per prompt; advantages are normalised within a group."""
 
     max_staleness: int = 2
-    """eta: how many versions the first token of a trained group may trail the learner (0 = synchronous)."""
+    """How many policy versions a trained group's oldest token may trail the learner (0 = synchronous;
+    docs/design.md section 5)."""
 
     max_inflight: int | None = None
-    """Most issued-but-untrained tasks (None: (eta + 1) * trainer.batch_size)."""
+    """Most issued-but-untrained tasks (None: (max_staleness + 1) * trainer.batch_size)."""
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling of training rollouts; evaluation is always greedy."""
@@ -197,6 +199,11 @@ class RolloutConfig:
     """Local engine with ``cuda_graphs``: torch.compile the decode and prefill forwards once each
     (minutes of warm-up on the first requests; docs/benchmarks.md has the speed-ups)."""
 
+    workflow: str = "single_turn"
+    """How a dataset row becomes training data: ``single_turn`` (generation workers sample each group
+    themselves), ``multi_turn``, ``tool_use`` or ``package.module:function`` (an async workflow run by
+    ``agent`` workers, which then take the prompt tasks; docs/agents.md)."""
+
     kv_after_load: Literal["recompute", "keep"] = "recompute"
     """Requests running when new weights load: ``recompute`` drops their KV and re-prefills prompt +
     tokens so far with the new weights (as AReaL does); ``keep`` (local engine only) goes on decoding
@@ -221,10 +228,73 @@ class RolloutConfig:
             )
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group advantages, got {self.group_size}")
+        if self.workflow not in WORKFLOWS and ":" not in self.workflow:
+            raise ValueError(
+                f"workflow {self.workflow!r} is neither a built-in ({', '.join(WORKFLOWS)}) nor "
+                "'package.module:function'; set rollout.workflow to one of them"
+            )
         _non_negative(self, "max_staleness")
         _positive(self, "max_batch_size")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1 or null, got {self.max_inflight}")
+
+
+WORKFLOWS = ("single_turn", "multi_turn", "tool_use")
+"""Built-in workflows (``areal_async.agents.workflows``); anything else is ``package.module:function``."""
+
+AGENT_TOOLS = ("calculator", "python")
+"""Built-in tools an agent may offer the model (``areal_async.agents.tools`` / ``sandbox``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Agent workers (``areal-worker --role agent``): multi-turn and tool-using episodes
+    (docs/agents.md). Used when ``rollout.workflow`` is not ``single_turn``."""
+
+    max_turns: int = 4
+    """Most model turns in one episode."""
+
+    gamma: float | None = None
+    """Discount of later turns' rewards in (0, 1]; None: the workflow's default (0.9 for multi_turn)."""
+
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    """Tools offered to the model by ``tool_use``: ``calculator``, ``python`` (sandboxed subprocess)."""
+
+    tool_timeout_s: float = 10.0
+    """Wall-time limit of one tool call (the python tool is killed at it)."""
+
+    feedback: str | None = None
+    """multi_turn: the message asking for another try after a wrong answer (None: the built-in one)."""
+
+    concurrency: int = 64
+    """Episodes one agent worker runs at a time (its generation calls in flight)."""
+
+    call_timeout_s: float = 120.0
+    """How long one generation call may take before it is retried on another generation worker."""
+
+    call_attempts: int = 3
+    """Tries of one generation call (timeouts, no generation worker) before the task is handed back."""
+
+    http_port: int | None = None
+    """Serve the OpenAI-compatible endpoint (``/episodes/<id>/v1/chat/completions``) on this port for
+    ``openai_workflow`` agents (0: any free port); None: off."""
+
+    http_host: str = "127.0.0.1"
+    """Address of that endpoint; the agent code calling it runs in the agent worker's process."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_turns")
+        _positive(self, "concurrency")
+        _positive(self, "call_attempts")
+        if not self.call_timeout_s > 0 or not self.tool_timeout_s > 0:
+            raise ValueError(
+                f"call_timeout_s and tool_timeout_s must be > 0, got {self.call_timeout_s}, {self.tool_timeout_s}"
+            )
+        if self.gamma is not None and not 0 < self.gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1] or null, got {self.gamma}")
+        unknown = [t for t in self.tools if t not in AGENT_TOOLS]
+        if unknown:
+            raise ValueError(f"tools: unknown tool(s) {unknown}; choose from {list(AGENT_TOOLS)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -485,6 +555,7 @@ class RunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -523,7 +594,14 @@ class RunConfig:
         """Effective cap on issued-but-untrained tasks."""
         if self.rollout.max_inflight is not None:
             return self.rollout.max_inflight
-        return (self.rollout.max_staleness + 1) * self.trainer.batch_size
+        return default_max_inflight(
+            max_staleness=self.rollout.max_staleness, batch_size=self.trainer.batch_size
+        )
+
+    @property
+    def uses_agents(self) -> bool:
+        """True when ``agent`` workers take the prompt tasks (any workflow but ``single_turn``)."""
+        return self.rollout.workflow != "single_turn"
 
 
 # --------------------------------------------------------------------------------------

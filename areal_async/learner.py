@@ -1,6 +1,6 @@
 """Learner: turns scored rollout groups into one decoupled-PPO step on the training engine.
 
-Pipeline of one step (DESIGN section 7), on B groups of G completions:
+Pipeline of one step (docs/design.md section 6), on B groups of G completions:
 
 1. advantages from the outcome rewards (``algo.advantages.compute_advantages`` with the
    run's LossConfig: shaping, group baseline/std, batch normalisation, overlong penalty);
@@ -11,6 +11,10 @@ Pipeline of one step (DESIGN section 7), on B groups of G completions:
    (``compute_prox``), then updates on the same micro-batches; the denominator is the
    global one (``loss_denominator`` summed over every sequence), so the result is the
    exact token mean over the whole batch on every rank count.
+
+Loss masks (multi-turn completions): only tokens the model generated are trained. Advantages,
+their statistics, the denominator, ``completion_len_mean`` and the overlong penalty count trained
+tokens only; the model still reads every token as context (pi_prox, pi_theta).
 
 ``Learner`` holds the engines of one rank. Rank 0 drives; with several ranks it
 broadcasts each command (``LearnerCommand``) and the other ranks run ``follow()``.
@@ -35,7 +39,7 @@ from areal_async.algo.advantages import compute_advantages
 from areal_async.algo.loss import loss_denominator, policy_loss
 from areal_async.config import LossConfig, RunConfig
 from areal_async.engines.batching import TrainSequence
-from areal_async.engines.fsdp import FSDPTrainEngine
+from areal_async.engines.fsdp import FSDPTrainEngine, LossFn
 from areal_async.models import set_torch_threads
 
 
@@ -50,6 +54,26 @@ class GroupSample:
     rewards: list[float]
     finish_reasons: list[str]
     head_version: int
+    loss_masks: list[list[int]] | None = None
+    """Per completion, 1 on the tokens to train (the model's) and 0 on the others; None trains all."""
+
+    def __post_init__(self) -> None:
+        if self.loss_masks is None:
+            return
+        mask_lengths = [len(m) for m in self.loss_masks]
+        if mask_lengths != [len(c) for c in self.completions]:
+            raise ValueError(
+                f"group {self.task_id}: loss mask lengths {mask_lengths[:8]} do not match completion "
+                f"lengths {[len(c) for c in self.completions][:8]}; pass one mask entry per completion token"
+            )
+
+
+def _trained_mask(lengths: Sequence[int], masks: Sequence[Sequence[int] | None]) -> torch.Tensor:
+    """``[B, longest]`` bool: True on the trained tokens of each completion (all of them without a mask)."""
+    mask_BT = torch.zeros((len(lengths), max(lengths, default=1)), dtype=torch.bool)
+    for i, (n, mask) in enumerate(zip(lengths, masks, strict=True)):
+        mask_BT[i, :n] = True if mask is None else torch.as_tensor(mask, dtype=torch.bool)
+    return mask_BT
 
 
 def build_sequences(
@@ -62,10 +86,9 @@ def build_sequences(
     (group_size,) = sizes
     rewards_NG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
     lengths = [len(c) for g in groups for c in g.completions]
-    longest = max(lengths)
-    mask_BT = torch.zeros((len(lengths), longest), dtype=torch.bool)
-    for i, n in enumerate(lengths):
-        mask_BT[i, :n] = True
+    masks = [m for g in groups for m in (g.loss_masks or [None] * len(g.completions))]
+    mask_BT = _trained_mask(lengths, masks)
+    masked = any(m is not None for m in masks)
     adv_BT = compute_advantages(
         rewards_NG,
         mask_BT,
@@ -94,6 +117,7 @@ def build_sequences(
                     completion_ids=torch.as_tensor(completion, dtype=torch.long),
                     behave_logprobs=torch.as_tensor(behave, dtype=torch.float32),
                     advantages=adv_BT[row, :n].clone(),
+                    loss_mask=mask_BT[row, :n].clone() if masked else None,
                 )
             )
             row += 1
@@ -105,18 +129,47 @@ def build_sequences(
         "adv_std": float(valid.std()) if valid.numel() > 1 else 0.0,
         "adv_abs_max": float(valid.abs().max()),
         "no_eos_ratio": sum(r == "length" for g in groups for r in g.finish_reasons) / max(1, len(lengths)),
-        "completion_len_mean": sum(lengths) / len(lengths),
+        "completion_len_mean": float(mask_BT.sum()) / len(lengths),
         "group_size": float(group_size),
     }
     return seqs, stats
 
 
 def global_denominator(seqs: Sequence[TrainSequence], loss: LossConfig, *, max_new_tokens: int) -> float:
-    lengths = [s.num_completion_tokens for s in seqs]
-    mask_BT = torch.zeros((len(lengths), max(lengths, default=1)), dtype=torch.bool)
-    for i, n in enumerate(lengths):
-        mask_BT[i, :n] = True
+    """The step's ``loss_denominator`` over every sequence of every rank (trained tokens only)."""
+    mask_BT = _trained_mask([s.num_completion_tokens for s in seqs], [s.loss_mask for s in seqs])
     return loss_denominator(mask_BT, loss.loss_agg, max_new_tokens)
+
+
+def make_loss_fn(loss: LossConfig, *, max_new_tokens: int, denominator: float) -> LossFn:
+    """``policy_loss`` with the run's loss settings, as the engine's ``loss_fn(mb) -> (loss, stats)``.
+
+    ``denominator`` is the step's global one (``global_denominator``)."""
+
+    def loss_fn(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return policy_loss(
+            mb["logprobs"],
+            mb["prox_logprobs"] if loss.decoupled else None,
+            mb["behave_logprobs"],
+            mb["advantages"],
+            mb["mask"],
+            eps_clip_low=loss.eps_clip_low,
+            eps_clip_high=loss.eps_clip_high,
+            dual_clip=loss.dual_clip,
+            decoupled=loss.decoupled,
+            behave_cap=loss.behave_cap,
+            behave_cap_mode=loss.behave_cap_mode,
+            ratio_level=loss.ratio_level,
+            loss_agg=loss.loss_agg,
+            max_new_tokens=max_new_tokens,
+            denominator=denominator,
+            ref_logprobs_BT=mb.get("ref_logprobs"),
+            kl_coef=0.0 if loss.kl_in_reward else loss.kl_coef,
+            kl_estimator=loss.kl_estimator,
+            kl_in_reward=loss.kl_in_reward,
+        )
+
+    return loss_fn
 
 
 def shard(seqs: Sequence[TrainSequence], world_size: int) -> list[list[TrainSequence]]:
@@ -200,33 +253,9 @@ class Learner:
             for s, ref in zip(seqs, self.ref.compute_logprobs(seqs), strict=True):
                 s.ref_logprobs = ref
         ref_s = time.perf_counter() - started
-        loss = self.loss
-
-        def loss_fn(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return policy_loss(
-                mb["logprobs"],
-                mb["prox_logprobs"] if loss.decoupled else None,
-                mb["behave_logprobs"],
-                mb["advantages"],
-                mb["mask"],
-                eps_clip_low=loss.eps_clip_low,
-                eps_clip_high=loss.eps_clip_high,
-                dual_clip=loss.dual_clip,
-                decoupled=loss.decoupled,
-                behave_cap=loss.behave_cap,
-                behave_cap_mode=loss.behave_cap_mode,
-                ratio_level=loss.ratio_level,
-                loss_agg=loss.loss_agg,
-                max_new_tokens=self.max_new_tokens,
-                denominator=denominator,
-                ref_logprobs_BT=mb.get("ref_logprobs"),
-                kl_coef=0.0 if loss.kl_in_reward else loss.kl_coef,
-                kl_estimator=loss.kl_estimator,
-                kl_in_reward=loss.kl_in_reward,
-            )
-
+        loss_fn = make_loss_fn(self.loss, max_new_tokens=self.max_new_tokens, denominator=denominator)
         # pi_prox comes from the step's own micro-batches (train_step's compute_prox).
-        metrics = self.engine.train_step(seqs, loss_fn, compute_prox=loss.decoupled)
+        metrics = self.engine.train_step(seqs, loss_fn, compute_prox=self.loss.decoupled)
         metrics["ref_seconds"] = ref_s
         return metrics
 
@@ -283,7 +312,13 @@ class Learner:
         return self.run(LearnerCommand(op="snapshot"))
 
     def write_weights(self, path: Path, tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-        return self.engine.write_hf(path, tensors)
+        """Write a snapshot as an HF directory; returns its manifest. Consumes ``tensors``: the dict
+        is emptied once written, so the copies (as large as the model) are freed then even where a
+        caller still holds the dict, instead of living on through the next step."""
+        try:
+            return self.engine.write_hf(path, tensors)
+        finally:
+            tensors.clear()
 
     def checkpoint(self, root: Path, extra: dict[str, Any], keep: int) -> Path:
         """Commit model, optimizer, scheduler, RNG, version and ``extra`` under ``root/checkpoints``."""

@@ -1,9 +1,9 @@
 """Prompt scheduling: the controller's state machine, free of I/O.
 
 The controller feeds the dataset to generation workers under the staleness admission
-rule of DESIGN section 4::
+rule of docs/design.md section 5::
 
-    issued < (eta + v + 1) * B      and      issued - trained < max_inflight
+    issued < (max_staleness + v + 1) * B      and      issued - trained < max_inflight
 
 ``issued`` counts training tasks issued and not failed; ``trained`` counts groups the
 trainer has committed; ``v`` is the version every engine serves. A failed task
@@ -15,6 +15,12 @@ When the trainer restarts from an older checkpoint, its next ``trainer.step`` re
 step number that was already counted: the steps from there on are rolled back
 (``trained`` drops by their groups). Those groups were never acknowledged by the trainer,
 so JetStream redelivers them and the trainer's guard trains or recycles them.
+
+``inflight`` maps every issued training task that is neither trained nor failed to its
+``[epoch, index, attempt]``: the controller acts on a ``rollout.failed`` or ``trainer.step``
+only when the tasks it names are in flight with those fields (``check_failed``, ``check_trained``),
+so a forged or corrupt event cannot make it re-issue a row it never issued. Tasks rolled back
+from a repeated step are in flight again with attempt -1 (any attempt of theirs may fail).
 
 The whole state is plain data (``to_dict``/``from_dict``) kept in the run's KV bucket,
 so a restarted controller continues without double-issuing.
@@ -29,6 +35,15 @@ from typing import Any
 from areal_async.algo.staleness import admission_allows
 
 RETRY_REASONS = frozenset({"stale", "future", "error"})
+ANY_ATTEMPT = -1
+
+
+def task_position(task_id: str) -> tuple[int, int] | None:
+    """``(epoch, index)`` of a training task id ``e<epoch>-i<index>``; None for any other id."""
+    head, sep, tail = task_id.partition("-i")
+    if not sep or not head.startswith("e") or not head[1:].isdigit() or not tail.isdigit():
+        return None
+    return int(head[1:]), int(tail)
 
 
 @dataclass(frozen=True)
@@ -43,7 +58,7 @@ class Issue:
 
 @dataclass
 class SchedulerState:
-    eta: int
+    max_staleness: int
     batch_size: int
     max_inflight: int
     issued: int = 0
@@ -55,6 +70,8 @@ class SchedulerState:
     retry: deque[list[Any]] = field(default_factory=deque)
     attempts: dict[str, int] = field(default_factory=dict)
     step_tasks: dict[int, list[str]] = field(default_factory=dict)
+    inflight: dict[str, list[int]] | None = field(default_factory=dict)
+    """task_id -> [epoch, index, attempt]; None for a state saved before it was kept (not checked)."""
 
     # ---- admission -------------------------------------------------------------------
 
@@ -63,7 +80,7 @@ class SchedulerState:
             issued=self.issued,
             trained=self.trained,
             served_version=self.served_version,
-            eta=self.eta,
+            max_staleness=self.max_staleness,
             batch_size=self.batch_size,
             max_inflight=self.max_inflight,
         )
@@ -76,20 +93,52 @@ class SchedulerState:
         attempt = self.attempts.get(task_id, 0)
         self.issued += 1
         self.total_issued += 1
+        if self.inflight is not None:
+            self.inflight[task_id] = [epoch, index, attempt]
         return Issue(task_id, epoch, index, attempt)
 
     def take_new(self, epoch: int, index: int) -> Issue:
         """Count a fresh dataset row as issued (the dataset cursor keeps the position)."""
         self.issued += 1
         self.total_issued += 1
-        return Issue(f"e{epoch}-i{index}", epoch, index, 0)
+        task_id = f"e{epoch}-i{index}"
+        if self.inflight is not None:
+            self.inflight[task_id] = [epoch, index, 0]
+        return Issue(task_id, epoch, index, 0)
 
     # ---- events ----------------------------------------------------------------------
+
+    def check_failed(self, task_id: str, epoch: int, index: int, attempt: int) -> str:
+        """'' when a failure names a task in flight with its epoch, index and attempt; else why not."""
+        if self.inflight is None:
+            return ""
+        entry = self.inflight.get(task_id)
+        if entry is None:
+            return f"task {task_id!r} is not in flight (never issued, already trained or failed)"
+        if [epoch, index] != entry[:2]:
+            return f"task {task_id!r} was issued for epoch {entry[0]} index {entry[1]}, not {epoch}/{index}"
+        if entry[2] not in (ANY_ATTEMPT, attempt):
+            return f"task {task_id!r} is in flight as attempt {entry[2]}, not {attempt}"
+        return ""
+
+    def check_trained(self, step: int, task_ids: list[str]) -> str:
+        """'' when every task of a step is in flight (or rolled back by this step); else why not."""
+        if len(set(task_ids)) != len(task_ids):
+            return "a task id appears twice in one step"
+        if self.inflight is None:
+            return ""
+        rolled_back = {t for s, ids in self.step_tasks.items() if s >= step for t in ids}
+        unknown = [t for t in task_ids if t not in self.inflight and t not in rolled_back]
+        if unknown:
+            return f"{len(unknown)} task(s) not in flight, e.g. {unknown[0]!r}"
+        return ""
 
     def on_failed(self, task_id: str, epoch: int, index: int, attempt: int, reason: str) -> bool:
         """A task produced nothing trainable. Returns True if it will be re-issued."""
         if attempt < self.attempts.get(task_id, 0):
             return False  # an older attempt's failure, already handled
+        if self.inflight is not None:
+            self.inflight.pop(task_id, None)
         self.failures[reason] = self.failures.get(reason, 0) + 1
         self.issued = max(0, self.issued - 1)
         if reason not in RETRY_REASONS:
@@ -102,12 +151,19 @@ class SchedulerState:
         """The trainer committed ``step``; returns how many groups were rolled back first."""
         rolled_back = 0
         for s in sorted(k for k in self.step_tasks if k >= step):
-            rolled_back += len(self.step_tasks.pop(s))
+            ids = self.step_tasks.pop(s)
+            rolled_back += len(ids)
+            for task_id in ids:  # redelivered to the trainer: in flight again, any attempt
+                position = task_position(task_id)
+                if self.inflight is not None and position is not None:
+                    self.inflight[task_id] = [*position, ANY_ATTEMPT]
         self.trained = max(0, self.trained - rolled_back) + len(task_ids)
         self.step_tasks[step] = list(task_ids)
         self.trainer_step = step
         for task_id in task_ids:
             self.attempts.pop(task_id, None)
+            if self.inflight is not None:
+                self.inflight.pop(task_id, None)
         # Only the recent steps can ever be rolled back (to the last checkpoint); keep a window.
         for s in [k for k in self.step_tasks if k < step - 1000]:
             del self.step_tasks[s]
@@ -120,7 +176,7 @@ class SchedulerState:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "eta": self.eta,
+            "max_staleness": self.max_staleness,
             "batch_size": self.batch_size,
             "max_inflight": self.max_inflight,
             "issued": self.issued,
@@ -132,14 +188,15 @@ class SchedulerState:
             "retry": [list(r) for r in self.retry],
             "attempts": dict(self.attempts),
             "step_tasks": {str(k): v for k, v in self.step_tasks.items()},
+            "inflight": None if self.inflight is None else {k: list(v) for k, v in self.inflight.items()},
         }
 
     @classmethod
     def from_dict(
-        cls, data: dict[str, Any], *, eta: int, batch_size: int, max_inflight: int
+        cls, data: dict[str, Any], *, max_staleness: int, batch_size: int, max_inflight: int
     ) -> SchedulerState:
         """Restore saved state; admission parameters come from the current config."""
-        state = cls(eta=eta, batch_size=batch_size, max_inflight=max_inflight)
+        state = cls(max_staleness=max_staleness, batch_size=batch_size, max_inflight=max_inflight)
         for key in ("issued", "trained", "served_version", "trainer_step"):
             setattr(state, key, int(data.get(key, 0)))
         state.total_issued = int(data.get("total_issued", 0))
@@ -147,4 +204,8 @@ class SchedulerState:
         state.retry = deque(list(r) for r in data.get("retry", []))
         state.attempts = dict(data.get("attempts", {}))
         state.step_tasks = {int(k): list(v) for k, v in data.get("step_tasks", {}).items()}
+        inflight = data.get("inflight")
+        state.inflight = (
+            None if inflight is None else {str(k): [int(x) for x in v] for k, v in inflight.items()}
+        )
         return state

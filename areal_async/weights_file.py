@@ -1,4 +1,4 @@
-"""Write a safetensors file and its manifest in one pass over the tensors.
+"""Safetensors weights on disk: write a file and its manifest in one pass, read a checkpoint directory.
 
 `safetensors.torch.save_file` serialises every tensor into one in-memory buffer before it
 writes, so a 538 MB policy costs a full extra copy. The trainer writes a new policy after
@@ -9,6 +9,9 @@ The file is standard safetensors: an 8-byte little-endian header length, a JSON 
 `{name: {dtype, shape, data_offsets}, "__metadata__": {...}}` padded with spaces to a multiple
 of 8 bytes, then the tensors' bytes back to back in header order. Any safetensors reader
 (`safe_open`, `load_file`, vLLM, SGLang) reads it.
+
+`read_safetensors_dir` loads every tensor of a Hugging Face checkpoint directory (one file or
+shards) onto the CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import struct
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,3 +96,21 @@ def write_safetensors(
                 }
             )
     return manifest
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF safetensors checkpoint directory (single file or sharded), on CPU."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        return load_file(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors files in {path}; expected a Hugging Face checkpoint directory"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return state

@@ -14,32 +14,28 @@ Knows nothing of torch, models or ``areal_async``. Workers use it like this::
             await d.ack()
     await bus.close()
 
-See ``bus.client`` for the delivery guarantees and ``bus.events`` for the wire format.
+See ``bus.client`` for the delivery guarantees, ``bus.connection`` for connecting, ``bus.errors``
+for the errors and ``bus.events`` for the wire format.
 """
 
 from bus import events
-from bus.client import (
-    Bus,
+from bus.client import Bus, Published
+from bus.connection import ConnectOptions, connect
+from bus.embedded import EmbeddedServer, EmbeddedServerError, find_nats_server
+from bus.errors import (
     BusConnectError,
     BusError,
     BusPermissionError,
-    ConnectOptions,
-    Consumer,
-    Delivery,
     KvConflict,
-    KvEntry,
-    KvWatch,
+    NoResponders,
     PayloadTooLarge,
     ProvisionError,
-    Published,
     StreamFull,
     StreamNotFound,
     StreamUnavailable,
-    Subscription,
-    connect,
 )
-from bus.embedded import EmbeddedServer, EmbeddedServerError, find_nats_server
 from bus.events import DecodeError, decode, encode
+from bus.iterators import Consumer, Delivery, KvEntry, KvWatch, Request, Requests, Subscription
 from bus.subjects import StreamSpec, Subjects, validate_run_name
 
 __all__ = [
@@ -56,9 +52,12 @@ __all__ = [
     "KvConflict",
     "KvEntry",
     "KvWatch",
+    "NoResponders",
     "PayloadTooLarge",
     "ProvisionError",
     "Published",
+    "Request",
+    "Requests",
     "StreamFull",
     "StreamNotFound",
     "StreamSpec",

@@ -1,6 +1,6 @@
 """Every event on the wire: typed msgspec Structs, MessagePack encoded.
 
-Contract (docs/CONTRACTS.md):
+Contract (docs/design.md section 4):
 
 * An event is a msgpack map. It carries ``schema`` (the event name, e.g. "PromptTask") and
   ``schema_version`` (1). Plain ``msgpack.unpackb`` reads every event.
@@ -9,7 +9,8 @@ Contract (docs/CONTRACTS.md):
   did not send (a new reader reads an old event). A breaking change bumps
   ``schema_version``; readers refuse versions they do not know.
 * Token ids, logprobs and per-token versions travel as packed little-endian int32/float32
-  bytes (``pack_i32`` / ``pack_f32`` / ``unpack_i32`` / ``unpack_f32``), never lists.
+  bytes (``pack_i32`` / ``pack_f32`` / ``unpack_i32`` / ``unpack_f32``), never lists; loss
+  masks as one uint8 per token (``pack_u8`` / ``unpack_u8``).
 * ``decode`` raises exactly one error type, ``DecodeError``, for anything that is not a
   valid event of the expected type: the consumer dead-letters it and goes on.
 * Headers (``headers_for``) repeat the event name, run and policy version so the NATS CLI
@@ -19,13 +20,12 @@ Contract (docs/CONTRACTS.md):
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
-import numpy as np
 
 from bus import subjects as subj
+from bus.packed import check_packed, pack_f32, pack_i32, pack_u8, unpack_f32, unpack_i32, unpack_u8
 
 __all__ = [
     "Completion",
@@ -33,6 +33,8 @@ __all__ = [
     "DecodeError",
     "Event",
     "EVENT_TYPES",
+    "GenerateCall",
+    "GenerateReply",
     "Heartbeat",
     "MetricsReport",
     "PromptTask",
@@ -54,8 +56,10 @@ __all__ = [
     "headers_for",
     "pack_f32",
     "pack_i32",
+    "pack_u8",
     "unpack_f32",
     "unpack_i32",
+    "unpack_u8",
 ]
 
 HEADER_EVENT = "Areal-Event"
@@ -64,10 +68,7 @@ HEADER_POLICY_VERSION = "Areal-Policy-Version"
 HEADER_MSG_ID = "Nats-Msg-Id"
 
 TaskKind = Literal["train", "eval"]
-FailReason = Literal["stale", "future", "error", "filtered"]
-
-_I32 = np.dtype("<i4")
-_F32 = np.dtype("<f4")
+FailReason = Literal["stale", "future", "error", "filtered", "duplicate"]
 
 
 class DecodeError(Exception):
@@ -76,49 +77,6 @@ class DecodeError(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-# ---------------------------------------------------------------------------------------------
-# packed arrays
-
-
-def _check_packed(data: bytes, field: str, width: int = 4) -> None:
-    if len(data) % width:
-        raise ValueError(f"{field}: {len(data)} bytes is not a multiple of {width} (packed int32/float32)")
-
-
-def pack_i32(values: Sequence[int] | np.ndarray) -> bytes:
-    """Little-endian int32 bytes of ``values`` (a list or an integer array); refuses overflow."""
-    arr = np.asarray(values)
-    if arr.size == 0:
-        return b""
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"pack_i32 needs integers, got dtype {arr.dtype}")
-    if arr.dtype != _I32 and (arr.min() < -(2**31) or arr.max() >= 2**31):
-        raise ValueError(f"pack_i32: values out of int32 range [{arr.min()}, {arr.max()}]")
-    return np.ascontiguousarray(arr.reshape(-1), dtype=_I32).tobytes()
-
-
-def pack_f32(values: Sequence[float] | np.ndarray) -> bytes:
-    """Little-endian float32 bytes of ``values`` (a list or a numeric array)."""
-    arr = np.asarray(values)
-    if arr.size == 0:
-        return b""
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"pack_f32 needs numbers, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr.reshape(-1), dtype=_F32).tobytes()
-
-
-def unpack_i32(data: bytes, field: str = "data") -> np.ndarray:
-    """A read-only int32 array over ``data``; ValueError naming ``field`` if the length is wrong."""
-    _check_packed(data, field)
-    return np.frombuffer(data, dtype=_I32)
-
-
-def unpack_f32(data: bytes, field: str = "data") -> np.ndarray:
-    """A read-only float32 array over ``data``; ValueError naming ``field`` if the length is wrong."""
-    _check_packed(data, field)
-    return np.frombuffer(data, dtype=_F32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,24 +93,45 @@ class Event(msgspec.Struct, tag_field="schema", tag=True, kw_only=True, frozen=T
 
 
 class Completion(msgspec.Struct, kw_only=True, frozen=True):
-    """One sampled completion; packed arrays are aligned token by token (prompt excluded)."""
+    """One sampled completion; packed arrays are aligned token by token (prompt excluded).
+
+    A multi-turn episode is one completion: the model's turns and the tool, user or environment
+    tokens between them. ``loss_mask`` (uint8: one byte per token, a quarter of int32's size on
+    episodes of many tokens) is 1 on the tokens the model generated, which are trained, and 0 on
+    the others; empty means every token is trained. A token with mask 0 has logprob 0.0 and the
+    version of the model token before it (of the first model token when none precedes it), so
+    versions never decrease.
+    """
 
     token_ids: bytes
     logprobs: bytes
     versions: bytes
     finish_reason: str
     text: str = ""
+    loss_mask: bytes = b""
 
     def __post_init__(self) -> None:
-        _check_packed(self.token_ids, "token_ids")
-        _check_packed(self.logprobs, "logprobs")
-        _check_packed(self.versions, "versions")
+        check_packed(self.token_ids, "token_ids")
+        check_packed(self.logprobs, "logprobs")
+        check_packed(self.versions, "versions")
         n = len(self.token_ids)
         if len(self.logprobs) != n or len(self.versions) != n:
             raise ValueError(
                 f"token_ids, logprobs and versions must have one entry per token, got "
                 f"{n // 4}, {len(self.logprobs) // 4}, {len(self.versions) // 4}"
             )
+        if self.loss_mask:
+            mask = unpack_u8(self.loss_mask)
+            if len(mask) != n // 4:
+                raise ValueError(
+                    f"loss_mask has {len(mask)} entries for {n // 4} tokens; send one 0/1 byte per "
+                    "token (pack_u8), or an empty loss_mask to train every token"
+                )
+            if mask.max() > 1 or not mask.any():
+                raise ValueError(
+                    f"loss_mask must hold only 0 and 1 with at least one 1, got values "
+                    f"{sorted(set(mask.tolist()))[:4]}; an episode with no model token has nothing to train"
+                )
 
     @property
     def num_tokens(self) -> int:
@@ -197,7 +176,7 @@ class RolloutGroup(Event, kw_only=True):
     timings: dict[str, float] = {}
 
     def __post_init__(self) -> None:
-        _check_packed(self.prompt_ids, "prompt_ids")
+        check_packed(self.prompt_ids, "prompt_ids")
 
 
 class ScoredGroup(Event, kw_only=True):
@@ -292,7 +271,8 @@ class Heartbeat(Event, kw_only=True):
 
 
 class DeadLetter(Event, kw_only=True):
-    """A payload that failed to decode or validate, with the reason and the raw bytes."""
+    """A message no handler could use (it failed to decode, or its handling raised), with the
+    reason and the raw bytes (``Bus.dead_letter``)."""
 
     subject: str
     reason: str
@@ -318,6 +298,39 @@ class RunEnded(Event, kw_only=True):
     steps: int
 
 
+class GenerateCall(Event, kw_only=True):
+    """agent -> generation (request/reply on ``generate``): one model call of an episode.
+
+    Answered by any one generation worker (queue group) with a ``GenerateReply``. ``call_id`` is
+    unique per attempt of a call; a retried call gets a new one.
+    """
+
+    call_id: str
+    episode_id: str
+    prompt_ids: bytes
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check_packed(self.prompt_ids, "prompt_ids")
+
+
+class GenerateReply(Event, kw_only=True):
+    """generation -> agent: the completion of a ``GenerateCall`` (or why there is none)."""
+
+    call_id: str
+    engine_id: str
+    token_ids: bytes = b""
+    logprobs: bytes = b""
+    versions: bytes = b""
+    finish_reason: str = ""
+    error: str = ""
+
+
 # ---------------------------------------------------------------------------------------------
 # registry
 
@@ -337,6 +350,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
         DeadLetter,
         MetricsReport,
         RunEnded,
+        GenerateCall,
+        GenerateReply,
     )
 }
 """Schema name -> type."""
@@ -356,6 +371,7 @@ SUBJECT_TYPES: dict[str, type[Event]] = {
     subj.DEADLETTER: DeadLetter,
     subj.METRICS: MetricsReport,
     subj.RUN_ENDED: RunEnded,
+    subj.GENERATE: GenerateCall,
 }
 """Subject suffix (relative to ``areal.<run>.``) -> the one event type it carries."""
 
@@ -375,6 +391,8 @@ _any_decoder = msgspec.msgpack.Decoder(
     | Heartbeat
     | DeadLetter
     | MetricsReport
+    | GenerateCall
+    | GenerateReply
     | RunEnded
 )
 

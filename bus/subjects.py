@@ -17,6 +17,7 @@ Planes:
 | trainer.step        | JetStream STEPS (limits, audit)    | controller-steps       |
 | deadletter          | JetStream DEADLETTER (limits)      | (none; inspect reads)  |
 | weights.*, heartbeat.<role>.<id>, metrics, run.ended | core NATS | -            |
+| generate (request/reply, queue group ``generation``)  | core NATS | -            |
 
 A work-queue stream allows only non-overlapping consumers, so each has exactly one durable
 that all replicas of a role share. Limits streams (STEPS, DEADLETTER) accept any number of
@@ -46,8 +47,31 @@ HEARTBEAT = "heartbeat"
 DEADLETTER = "deadletter"
 METRICS = "metrics"
 RUN_ENDED = "run.ended"
+GENERATE = "generate"
 
 Retention = Literal["work_queue", "limits"]
+
+
+class Streams:
+    """Stream keys, as ``Bus.consume`` and ``Subjects.stream`` take them."""
+
+    PROMPT = "PROMPT"
+    GENERATED = "GENERATED"
+    SCORED = "SCORED"
+    EVAL = "EVAL"
+    FAILED = "FAILED"
+    STEPS = "STEPS"
+    DEADLETTER = "DEADLETTER"
+
+
+class Buckets:
+    """KV bucket references, as the ``Bus.kv_*`` calls take them."""
+
+    STATE = "state"
+    """Run state: latest-value facts (``bus.state``)."""
+
+    WORKERS = "workers"
+    """One heartbeat entry per live worker, expiring after ``bus.heartbeat_ttl_s``."""
 
 
 def _validate_token(value: str, field: str, fix: str) -> str:
@@ -86,13 +110,13 @@ class StreamSpec:
 
 # key, subject suffix, retention, durable consumer
 _STREAMS: tuple[tuple[str, str, Retention, str | None], ...] = (
-    ("PROMPT", PROMPT, "work_queue", "generation"),
-    ("GENERATED", ROLLOUT_GENERATED, "work_queue", "reward"),
-    ("SCORED", ROLLOUT_SCORED, "work_queue", "trainer"),
-    ("EVAL", EVAL_SCORED, "work_queue", "controller-eval"),
-    ("FAILED", ROLLOUT_FAILED, "work_queue", "controller-failed"),
-    ("STEPS", TRAINER_STEP, "limits", "controller-steps"),
-    ("DEADLETTER", DEADLETTER, "limits", None),
+    (Streams.PROMPT, PROMPT, "work_queue", "generation"),
+    (Streams.GENERATED, ROLLOUT_GENERATED, "work_queue", "reward"),
+    (Streams.SCORED, ROLLOUT_SCORED, "work_queue", "trainer"),
+    (Streams.EVAL, EVAL_SCORED, "work_queue", "controller-eval"),
+    (Streams.FAILED, ROLLOUT_FAILED, "work_queue", "controller-failed"),
+    (Streams.STEPS, TRAINER_STEP, "limits", "controller-steps"),
+    (Streams.DEADLETTER, DEADLETTER, "limits", None),
 )
 
 
@@ -117,6 +141,7 @@ class Subjects:
         self.deadletter = self.prefix + DEADLETTER
         self.metrics = self.prefix + METRICS
         self.run_ended = self.prefix + RUN_ENDED
+        self.generate = self.prefix + GENERATE
         self.state_bucket = f"areal_{run}_state"
         self.workers_bucket = f"areal_{run}_workers"
         self.streams: tuple[StreamSpec, ...] = tuple(
@@ -154,9 +179,9 @@ class Subjects:
 
     def bucket(self, ref: str) -> str:
         """Full bucket name for 'state' / 'workers' (or a full name of this run, returned as is)."""
-        if ref == "state":
+        if ref == Buckets.STATE:
             return self.state_bucket
-        if ref == "workers":
+        if ref == Buckets.WORKERS:
             return self.workers_bucket
         if ref in (self.state_bucket, self.workers_bucket):
             return ref

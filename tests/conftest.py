@@ -150,6 +150,17 @@ def make_sample_events() -> dict[str, ev.Event]:
         ),
         ev.MetricsReport(step=5, policy_version=6, values={"reward_mean": 0.5}),
         ev.RunEnded(reason="done", policy_version=6, steps=5),
+        ev.GenerateCall(
+            call_id="agent-0-3", episode_id="e0-i4/2", prompt_ids=ev.pack_i32([1, 2, 3]), max_new_tokens=8
+        ),
+        ev.GenerateReply(
+            call_id="agent-0-3",
+            engine_id="gen-0",
+            token_ids=ev.pack_i32([7, 8]),
+            logprobs=ev.pack_f32([-0.5, -0.25]),
+            versions=ev.pack_i32([6, 6]),
+            finish_reason="stop",
+        ),
     ]
     return {ev.event_name(e): e for e in events}
 

@@ -7,6 +7,8 @@
 
 Imports are lazy: ``--help`` of both commands loads neither torch nor transformers.
 Exit codes: 0 done, 1 runtime failure, 2 bad usage or configuration, 130 interrupted.
+A failure a user can act on (configuration, bus, nats-server, file system) is one line on
+stderr, ``error: <Type>: <what and the fix>``, never a traceback; a traceback means a bug.
 """
 
 from __future__ import annotations
@@ -16,21 +18,47 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-ROLES = ("controller", "generation", "reward", "trainer", "weight-sync")
-"""Every worker role; ``areal-async run`` starts one process of each."""
-
-_ROLE_MODULES = {
-    "controller": "workers.controller",
-    "generation": "workers.generation",
-    "reward": "workers.reward",
-    "trainer": "workers.trainer",
-    "weight-sync": "workers.weight_sync",
-}
+from workers.roles import ROLE_MODULES, ROLES
 
 
 def _fail(message: str, code: int = 2) -> int:
     sys.stderr.write(f"error: {message}\n")
     return code
+
+
+def _user_error(exc: BaseException) -> BaseException | None:
+    """The error a user can act on in ``exc`` (also inside an exception group), or None for a bug.
+
+    Bus and nats errors are only looked up when their modules are loaded: an error raised before
+    the bus was imported cannot be one of them, and ``--help`` must not import nats.
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        return next((found for e in exc.exceptions if (found := _user_error(e)) is not None), None)
+    from areal_async.errors import AreaLError
+
+    known: list[type[BaseException]] = [AreaLError, ValueError, OSError]
+    for module, name in (
+        ("bus.errors", "BusError"),
+        ("bus.embedded", "EmbeddedServerError"),
+        ("nats.errors", "Error"),
+    ):
+        if module in sys.modules:
+            known.append(getattr(sys.modules[module], name))
+    return exc if isinstance(exc, tuple(known)) else None
+
+
+def _report(exc: Exception) -> int:
+    """One line on stderr for a user's error (exit 2 for a bad value, configuration included, or a
+    refused permission; else 1); anything else is a bug and is raised with its traceback."""
+    found = _user_error(exc)
+    if found is None:
+        raise exc
+    bus_errors = sys.modules.get("bus.errors")
+    usage = isinstance(found, ValueError) or (
+        bus_errors is not None and isinstance(found, bus_errors.BusPermissionError)
+    )
+    first, *rest = (str(found) or repr(found)).splitlines() or [""]
+    return _fail(f"{type(found).__name__}: {first}{' [...]' if rest else ''}", code=2 if usage else 1)
 
 
 def worker_parser() -> argparse.ArgumentParser:
@@ -55,27 +83,29 @@ def worker_parser() -> argparse.ArgumentParser:
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     args = worker_parser().parse_args(argv)
-    from areal_async.config import load_config
-    from areal_async.errors import ConfigError, RoleNotAvailable
+    try:
+        return _run_worker(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        return _report(exc)
 
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from areal_async.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        return _fail(f"ConfigError: {exc}")
-    try:
-        module = importlib.import_module(_ROLE_MODULES[args.role])
+        module = importlib.import_module(ROLE_MODULES[args.role])
     except ModuleNotFoundError as exc:
-        if exc.name != _ROLE_MODULES[args.role]:
+        if exc.name != ROLE_MODULES[args.role]:
             raise
         return _fail(f"role {args.role!r} is not implemented in this build", code=2)
     if args.role == "trainer" and module.is_follower():
         return module.follow(cfg)  # torchrun ranks > 0 only compute
     from workers.runtime import run_role
 
-    try:
-        return run_role(cfg, role=args.role, serve=module.serve, worker_id=args.worker_id)
-    except (ConfigError, RoleNotAvailable) as exc:
-        return _fail(f"{type(exc).__name__}: {exc}")
+    return run_role(cfg, role=args.role, serve=module.serve, worker_id=args.worker_id)
 
 
 def main_parser() -> argparse.ArgumentParser:
@@ -88,7 +118,11 @@ def main_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="start an embedded nats-server and one process per role on this machine")
     run.add_argument("config", help="YAML run file")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    run.add_argument("--roles", default=",".join(ROLES), help="comma-separated roles to start (default: all)")
+    run.add_argument(
+        "--roles",
+        default=None,
+        help="comma-separated roles to start (default: every role the run needs; agent only for agent workflows)",
+    )
     run.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
 
     ins = sub.add_parser("inspect", help="show streams, consumers, KV state, live workers and dead letters")
@@ -110,13 +144,12 @@ def main_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = main_parser().parse_args(argv)
-    from areal_async.errors import AreaLError
-
     try:
         if args.command == "run":
             from workers.launcher import launch
 
-            return launch(args.config, args.overrides, roles=args.roles.split(","), live=not args.no_live)
+            roles = args.roles.split(",") if args.roles else None
+            return launch(args.config, args.overrides, roles=roles, live=not args.no_live)
         if args.command == "inspect":
             from workers.inspect import inspect_main
 
@@ -127,10 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = prepare_smollm2(args.out, dtype=args.dtype)
             sys.stdout.write(f"{path}\n")
             return 0
-    except AreaLError as exc:
-        return _fail(f"{type(exc).__name__}: {exc}")
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return _report(exc)
     return _fail(f"unknown command {args.command!r}")
 
 

@@ -1,4 +1,4 @@
-"""Small pieces several roles share: model resolution, weight-path checks, KV records.
+"""Small pieces several roles share: model resolution, weight-path checks, the poison-message rule.
 
 Weight locations arrive in events; before anything is loaded they are checked to lie
 inside ``<run_dir>/weights`` (or the configured model path for version 0), so a forged
@@ -8,23 +8,21 @@ event cannot make a worker read arbitrary files. Nothing on the wire is ever unp
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import anyio
-import msgpack
+import structlog
+from nats.errors import Error as NatsError
 
 from areal_async.config import RunConfig
+from areal_async.engines.base import SamplingParams
 from areal_async.errors import ConfigError
-from bus import StreamUnavailable
+from bus.errors import BusError
+from bus.events import PromptTask
+from bus.state import RunState
 
-if TYPE_CHECKING:
-    from bus import Bus
-
-WEIGHTS_SERVED_KEY = "weights.served"
-WEIGHTS_PUBLISHED_KEY = "weights.published"
-RUN_ENDED_KEY = "run.ended"
+log = structlog.get_logger()
 
 
 def resolve_model_path(path: str) -> str:
@@ -62,31 +60,53 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def pack_record(**fields: Any) -> bytes:
-    return msgpack.packb(fields)
+async def settle_or_dead_letter(
+    delivery: Any, handle: Callable[[Any], Awaitable[None]], *, what: str
+) -> None:
+    """The poison-message rule: run ``handle(delivery.event)``; if it raises, the event is copied to
+    the run's ``deadletter`` stream with the exception text and acked, and the worker goes on.
 
-
-def unpack_record(entry: Any) -> dict[str, Any] | None:
-    """The dict stored in a KV entry (``bus.kv_get`` result), or None when absent."""
-    raw = getattr(entry, "value", entry)
-    if raw is None:
-        return None
-    data = msgpack.unpackb(raw)
-    return data if isinstance(data, dict) else None
-
-
-async def state_records(bus: Bus, key: str, every_s: float) -> AsyncIterator[dict[str, Any] | None]:
-    """The record under ``key`` in the ``state`` bucket, read every ``every_s`` seconds.
-
-    Core NATS events (``weights.served``, ``weights.published``, ``run.ended``) published while a
-    worker is disconnected, or before its interest has reached the publisher's node after a
-    reconnect, are lost; each is also written to a ``state`` key, and a worker that acts on one
-    re-reads that key with this, so a lost event delays it by at most ``every_s``. A read during a
-    JetStream election that outlasts the bus's leader wait is skipped, not raised.
+    Bus failures (lost connection, no leader) are not the event's fault: they propagate, the worker
+    restarts and the event is redelivered. ``handle`` settles the delivery itself on success.
     """
-    while True:
-        await anyio.sleep(every_s)
-        try:
-            yield unpack_record(await bus.kv_get("state", key))
-        except StreamUnavailable:
-            continue
+    try:
+        await handle(delivery.event)
+    except (BusError, NatsError, OSError, TimeoutError):
+        raise
+    except Exception as exc:
+        reason = f"{what} failed: {type(exc).__name__}: {exc}"[:2000]
+        if isinstance(exc, ValueError):  # a check refused the event: the reason says it all
+            log.warning("event dead-lettered", subject=delivery.subject, reason=reason)
+        else:
+            log.exception("event dead-lettered", subject=delivery.subject, reason=reason)
+        await delivery.dead_letter(reason)
+
+
+def run_sampling(cfg: RunConfig, tokenizer: Any) -> tuple[SamplingParams, SamplingParams]:
+    """The run's (training, evaluation) sampling: ``rollout.sampling``, and greedy for evaluation;
+    both stop at the tokenizer's EOS and at ``rollout.sampling.stop_token_ids``."""
+    s = cfg.rollout.sampling
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stop = tuple(dict.fromkeys([*eos, *s.stop_token_ids]))
+    train = SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_new_tokens=s.max_new_tokens,
+        stop_token_ids=stop,
+    )
+    return train, SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens, stop_token_ids=stop)
+
+
+async def check_issued(run_state: RunState, task: Any) -> None:
+    """ValueError (naming why) unless ``task`` is a PromptTask the controller issued, as issued."""
+    if not isinstance(task, PromptTask):
+        raise ValueError(f"expected a PromptTask, got {type(task).__name__}")
+    issued = await run_state.issued(task.task_id)
+    if issued is None:
+        raise ValueError(f"task {task.task_id[:80]!r} was never issued by the controller")
+    problem = issued.mismatch(
+        task_id=task.task_id, kind=task.kind, epoch=task.epoch, index=task.index, attempt=task.attempt
+    )
+    if problem:
+        raise ValueError(f"task {task.task_id!r}: {problem}")

@@ -4,10 +4,19 @@ Data flow: controller --prompt--> generation; trainer --trainer.step--> controll
 trainer --rollout.failed--> controller; weight-sync --weights.served--> controller;
 reward --eval.scored--> controller.
 
-Admission is DESIGN section 4's rule (``areal_async.scheduler``): a training task is
-issued only while ``issued < (eta + v + 1) * B`` and ``issued - trained < max_inflight``,
-with ``v`` the version every engine serves. Failed tasks (stale, future, error) are
-re-issued with a higher attempt number; ``filtered`` ones (dynamic sampling) are not.
+Admission is the rule of docs/design.md section 5 (``areal_async.algo.staleness`` via
+``areal_async.scheduler``): a training task is issued only while
+``issued < (max_staleness + v + 1) * B`` and ``issued - trained < max_inflight``, with ``v`` the
+version every engine serves. Failed tasks (stale, future, error) are re-issued with a higher
+attempt number; ``filtered`` and ``duplicate`` ones are not.
+
+Before a task is published, its ``issued.<task_id>`` record (kind, epoch, index, attempt) is
+written to the run state (``bus.state``); generation workers and the trainer act only on tasks
+matching one. The controller acts only on events about tasks it has in flight, with their
+epoch, index and attempt; an event that fails these checks, or whose handling raises, is
+dead-lettered with the reason and the controller goes on (docs/design.md section 8). Restored
+state that fails validation is quarantined (logged, kept aside, in the dead letters), never a
+crash loop.
 
 Evaluation: at version 0, every ``trainer.eval_every`` served versions, and at the end,
 the held-out split is issued as ``eval`` tasks (greedy, one completion each, outside
@@ -25,11 +34,11 @@ Run alone: areal-worker --role controller --config configs/arith_cpu.yaml
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import anyio
-import msgpack
 import structlog
 
 from areal_async.data import DatasetCursor, load_dataset
@@ -43,12 +52,16 @@ from bus.events import (
     TrainerStep,
     WeightsServed,
 )
-from workers.common import RUN_ENDED_KEY, WEIGHTS_SERVED_KEY, append_jsonl, state_records, unpack_record
+from bus.state import CONTROLLER, RUN_ENDED, WEIGHTS_SERVED, IssuedTask, RunState, StateRecordError
+from bus.subjects import Buckets, Streams
+from workers.common import append_jsonl, settle_or_dead_letter
 from workers.runtime import WorkerContext
 
 log = structlog.get_logger()
 
-STATE_KEY = "controller"
+
+class Rejected(ValueError):
+    """An event about a task this controller did not issue, or with fields its records contradict."""
 
 
 class Controller:
@@ -57,6 +70,7 @@ class Controller:
         cfg = ctx.cfg
         self.cfg = cfg
         self.bus = ctx.bus
+        self.run_state = RunState(ctx.bus)
         ds = cfg.dataset
         self.train_rows = load_dataset(ds.kind, path=ds.path, split="train", seed=ds.seed, **ds.options)
         self.eval_rows = (
@@ -64,39 +78,47 @@ class Controller:
             if ds.eval_size
             else []
         )
+        self._reset()
+        self.ended_event = anyio.Event()
+        self.dropped_on_restore: list[str] = []
+        send, recv = anyio.create_memory_object_stream[None](1)
+        self._wake_send, self._wake_recv = send, recv
+
+    def _reset(self) -> None:
+        """The state of a fresh run."""
+        cfg, ds = self.cfg, self.cfg.dataset
         self.cursor = DatasetCursor(self.train_rows, seed=ds.seed, epochs=ds.epochs)
         self.state = SchedulerState(
-            eta=cfg.rollout.max_staleness, batch_size=cfg.trainer.batch_size, max_inflight=cfg.max_inflight
+            max_staleness=cfg.rollout.max_staleness,
+            batch_size=cfg.trainer.batch_size,
+            max_inflight=cfg.max_inflight,
         )
         self.trainer_version = 0
         self.eval_issued: set[int] = set()
         self.eval_results: dict[int, dict[str, Any]] = {}
         self.eval_done: set[int] = set()
         self.ended = False
-        self.ended_event = anyio.Event()
-        send, recv = anyio.create_memory_object_stream[None](1)
-        self._wake_send, self._wake_recv = send, recv
 
     # ---- persistence -------------------------------------------------------------------
 
     async def load(self) -> None:
-        data = unpack_record(await self.bus.kv_get("state", STATE_KEY))
-        if data is None:
-            log.info("fresh run", train_rows=len(self.train_rows), eval_rows=len(self.eval_rows))
+        try:
+            data = await self.run_state.get(CONTROLLER)
+            if data is None:
+                log.info("fresh run", train_rows=len(self.train_rows), eval_rows=len(self.eval_rows))
+                return
+            self._restore(data)
+        except (StateRecordError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            entry = await self.bus.kv_get(Buckets.STATE, CONTROLLER)
+            raw = entry.value if entry is not None and entry.value is not None else b""
+            await self.bus.kv_put(Buckets.STATE, CONTROLLER + ".quarantined", raw)
+            await self._quarantine(
+                f"controller state unusable ({type(exc).__name__}: {exc}); kept under "
+                f"'{CONTROLLER}.quarantined', starting afresh",
+                raw,
+            )
+            self._reset()
             return
-        rollout, trainer = self.cfg.rollout, self.cfg.trainer
-        self.state = SchedulerState.from_dict(
-            data["scheduler"],
-            eta=rollout.max_staleness,
-            batch_size=trainer.batch_size,
-            max_inflight=self.cfg.max_inflight,
-        )
-        self.cursor.load_state_dict(data["cursor"])
-        self.trainer_version = int(data.get("trainer_version", 0))
-        self.eval_issued = set(data.get("eval_issued", []))
-        self.eval_done = set(data.get("eval_done", []))
-        self.eval_results = {int(k): v for k, v in data.get("eval_results", {}).items()}
-        self.ended = bool(data.get("ended", False))
         log.info(
             "controller state restored",
             issued=self.state.issued,
@@ -104,6 +126,39 @@ class Controller:
             served_version=self.state.served_version,
             trainer_version=self.trainer_version,
         )
+
+    def _restore(self, data: dict[str, Any]) -> None:
+        rollout, trainer = self.cfg.rollout, self.cfg.trainer
+        self.state = SchedulerState.from_dict(
+            data["scheduler"],
+            max_staleness=rollout.max_staleness,
+            batch_size=trainer.batch_size,
+            max_inflight=self.cfg.max_inflight,
+        )
+        self.cursor.load_state_dict(data["cursor"])
+        self.trainer_version = int(data.get("trainer_version", 0))
+        self.eval_issued = {int(v) for v in data.get("eval_issued", [])}
+        self.eval_done = {int(v) for v in data.get("eval_done", [])}
+        self.eval_results = {int(k): dict(v) for k, v in data.get("eval_results", {}).items()}
+        self.ended = bool(data.get("ended", False))
+        self.dropped_on_restore = self._drop_out_of_range()
+
+    def _drop_out_of_range(self) -> list[str]:
+        """Retry and in-flight entries naming rows this dataset does not have (another dataset, a corrupt
+        or forged state): dropped, each named in the log and the dead letters by ``load``'s caller."""
+        rows = len(self.train_rows)
+        dropped = [f"retry {r}" for r in self.state.retry if not 0 <= int(r[2]) < rows]
+        self.state.retry = type(self.state.retry)(r for r in self.state.retry if 0 <= int(r[2]) < rows)
+        if self.state.inflight is not None:
+            bad = [t for t, (_e, i, _a) in self.state.inflight.items() if not 0 <= i < rows]
+            for task_id in bad:
+                del self.state.inflight[task_id]
+            dropped += [f"in-flight {t}" for t in bad]
+        return dropped
+
+    async def _quarantine(self, reason: str, data: bytes = b"") -> None:
+        log.error("controller state quarantined", reason=reason)
+        await self.bus.dead_letter(self.bus.subjects.prefix + "state." + CONTROLLER, reason, data)
 
     async def save(self) -> None:
         data = {
@@ -115,7 +170,7 @@ class Controller:
             "eval_results": {str(k): v for k, v in self.eval_results.items()},
             "ended": self.ended,
         }
-        await self.bus.kv_put("state", STATE_KEY, msgpack.packb(data))
+        await self.run_state.record(CONTROLLER, **data)
 
     def wake(self) -> None:
         try:
@@ -130,6 +185,12 @@ class Controller:
         return self.cfg.trainer.total_steps * self.cfg.trainer.batch_size
 
     async def publish_task(self, issue: Issue, row: dict[str, Any], kind: str = "train") -> None:
+        """Record the issue in the run state, then publish the task (the trainer checks the record)."""
+        await self.run_state.issue(
+            IssuedTask(
+                task_id=issue.task_id, kind=kind, epoch=issue.epoch, index=issue.index, attempt=issue.attempt
+            )
+        )
         task = PromptTask(
             task_id=issue.task_id,
             kind=kind,
@@ -155,7 +216,7 @@ class Controller:
         while not self.ended and self.state.issued < self.train_target and self.state.can_issue():
             issue = self.state.take_retry()
             if issue is not None:
-                row = self.train_rows[issue.index]
+                row = self.train_rows[issue.index]  # in range: checked on failure and on restore
             elif self.cursor.exhausted:
                 break
             else:
@@ -201,33 +262,64 @@ class Controller:
     # ---- event handlers ------------------------------------------------------------------
 
     async def on_trainer_steps(self) -> None:
-        async for d in self.bus.consume("STEPS"):
-            ev = d.event
-            assert isinstance(ev, TrainerStep)
-            rolled_back = self.state.on_trained(ev.step, list(ev.task_ids))
-            if rolled_back:
-                log.warning(
-                    "trainer restarted from a checkpoint; rolled back", step=ev.step, groups=rolled_back
-                )
-            self.trainer_version = ev.policy_version
-            await self.save()
-            await d.ack()
-            self.wake()
+        async for d in self.bus.consume(Streams.STEPS):
+            await settle_or_dead_letter(d, lambda ev, d=d: self._trainer_step(ev, d), what="trainer.step")
+
+    async def _trainer_step(self, ev: Any, delivery: Any) -> None:
+        if not isinstance(ev, TrainerStep):
+            raise Rejected(f"expected a TrainerStep, got {type(ev).__name__}")
+        total = self.cfg.trainer.total_steps
+        if ev.policy_version != ev.step or not 1 <= ev.step <= total:
+            raise Rejected(
+                f"step {ev.step} / policy_version {ev.policy_version} outside 1..{total} or unequal"
+            )
+        if len(ev.head_versions) != len(ev.task_ids) or len(ev.task_ids) != self.cfg.trainer.batch_size:
+            raise Rejected(
+                f"{len(ev.task_ids)} task ids and {len(ev.head_versions)} head versions; "
+                f"expected trainer.batch_size={self.cfg.trainer.batch_size} of each"
+            )
+        problem = self.state.check_trained(ev.step, list(ev.task_ids))
+        if problem:
+            raise Rejected(problem)
+        rolled_back = self.state.on_trained(ev.step, list(ev.task_ids))
+        if rolled_back:
+            log.warning("trainer restarted from a checkpoint; rolled back", step=ev.step, groups=rolled_back)
+        self.trainer_version = ev.policy_version
+        await self.save()
+        await delivery.ack()
+        self.wake()
 
     async def on_failed(self) -> None:
-        async for d in self.bus.consume("FAILED"):
-            ev = d.event
-            assert isinstance(ev, RolloutFailed)
-            if ev.kind == "train":
-                again = self.state.on_failed(ev.task_id, ev.epoch, ev.index, ev.attempt, ev.reason)
-                log.info("task failed", task_id=ev.task_id, reason=ev.reason, reissue=again, detail=ev.detail)
-                await self.save()
-            await d.ack()
-            self.wake()
+        async for d in self.bus.consume(Streams.FAILED):
+            await settle_or_dead_letter(d, lambda ev, d=d: self._failed(ev, d), what="rollout.failed")
+
+    async def _failed(self, ev: Any, delivery: Any) -> None:
+        if not isinstance(ev, RolloutFailed):
+            raise Rejected(f"expected a RolloutFailed, got {type(ev).__name__}")
+        if ev.kind == "train":
+            problem = self.state.check_failed(ev.task_id, ev.epoch, ev.index, ev.attempt)
+            if problem and ev.reason == "duplicate":  # a redelivery of a group already counted
+                await delivery.ack()
+                return
+            if problem:
+                raise Rejected(problem)
+            again = self.state.on_failed(ev.task_id, ev.epoch, ev.index, ev.attempt, ev.reason)
+            log.info(
+                "task failed", task_id=ev.task_id, reason=ev.reason, reissue=again, detail=ev.detail[:200]
+            )
+            await self.save()
+        else:  # an evaluation task that produced nothing (its workflow failed) counts as wrong
+            await self._eval_result(ev.task_id, correct=0.0, head_version=ev.head_version, stats={})
+        await delivery.ack()
+        self.wake()
 
     async def on_served(self) -> None:
-        served = unpack_record(await self.bus.kv_get("state", WEIGHTS_SERVED_KEY))
-        await self._served(int(served["policy_version"]) if served else 0)
+        try:
+            served = await self.run_state.weights(WEIGHTS_SERVED)
+        except StateRecordError as exc:
+            await self._quarantine(f"{WEIGHTS_SERVED} record unusable ({exc}); waiting for the next one")
+            served = None
+        await self._served(served.policy_version if served else 0)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._served_from_state)
             async for ev in self.bus.subscribe(self.bus.subjects.weights_served):
@@ -238,15 +330,17 @@ class Controller:
     async def _served_from_state(self) -> None:
         """A ``weights.served`` lost in a disconnect would close admission for good: the state key
         (written before the event) is the truth, re-read every heartbeat interval."""
-        every = self.cfg.bus.heartbeat_interval_s
-        async for served in state_records(self.bus, WEIGHTS_SERVED_KEY, every):
-            if served and int(served["policy_version"]) != self.state.served_version:
-                log.info(
-                    "weights served, read from the state bucket", policy_version=served["policy_version"]
-                )
-                await self._served(int(served["policy_version"]))
+        async for served in self.run_state.latest(WEIGHTS_SERVED, self.cfg.bus.heartbeat_interval_s):
+            version = served.get("policy_version") if served else None
+            if isinstance(version, int) and version != self.state.served_version:
+                log.info("weights served, read from the state bucket", policy_version=version)
+                await self._served(version)
 
     async def _served(self, version: int) -> None:
+        """A version every engine serves; one beyond what the trainer can have made is ignored."""
+        if not 0 <= version <= self.cfg.trainer.total_steps:
+            log.error("ignoring weights.served outside 0..total_steps", policy_version=version)
+            return
         self.state.on_served(version)
         self.ctx.policy_version = version
         await self.save()
@@ -255,27 +349,43 @@ class Controller:
         self.wake()
 
     async def on_eval(self) -> None:
-        async for d in self.bus.consume("EVAL"):
-            ev = d.event
-            assert isinstance(ev, ScoredGroup)
-            task_id = ev.group.task_id
-            try:
-                version = int(task_id.split("-")[1][1:])
-            except (IndexError, ValueError):
-                await d.ack()
-                continue
-            res = self.eval_results.get(version)
-            if res is not None and version not in self.eval_done:
-                seen = res.setdefault("seen", [])
-                if task_id not in seen:
-                    seen.append(task_id)
-                    res["correct"] += float(ev.rewards[0] > 0.5) if ev.rewards else 0.0
-                    res["count"] += 1
-                    res["versions"] += ev.group.head_version
-                if res["count"] >= len(self.eval_rows):
-                    await self.eval_finished(version, res)
-                await self.save()
-            await d.ack()
+        async for d in self.bus.consume(Streams.EVAL):
+            await settle_or_dead_letter(d, lambda ev, d=d: self._eval_scored(ev, d), what="eval.scored")
+
+    async def _eval_scored(self, ev: Any, delivery: Any) -> None:
+        if not isinstance(ev, ScoredGroup):
+            raise Rejected(f"expected a ScoredGroup, got {type(ev).__name__}")
+        if ev.group.kind != "eval" or not all(math.isfinite(r) for r in ev.rewards):
+            raise Rejected(f"eval task {ev.group.task_id!r}: not an eval group, or non-finite rewards")
+        correct = float(ev.rewards[0] > 0.5) if ev.rewards else 0.0
+        await self._eval_result(
+            ev.group.task_id, correct=correct, head_version=ev.group.head_version, stats=ev.group.timings
+        )
+        await delivery.ack()
+
+    async def _eval_result(
+        self, task_id: str, *, correct: float, head_version: int, stats: dict[str, float]
+    ) -> None:
+        """Count one evaluation prompt (once); the round ends when every prompt is in."""
+        version, index = _eval_position(task_id)
+        res = self.eval_results.get(version)
+        if res is None or not 0 <= index < len(self.eval_rows):
+            raise Rejected(f"eval task {task_id!r} was not issued by this controller")
+        if version in self.eval_done:
+            return
+        seen = res.setdefault("seen", [])
+        if task_id not in seen:
+            seen.append(task_id)
+            res["correct"] += correct
+            res["count"] += 1
+            res["versions"] += max(0, head_version)
+            sums = res.setdefault("episode", {})  # agent workers' per-episode statistics
+            for key, value in stats.items():
+                if key.startswith("episode/") and math.isfinite(value):
+                    sums[key] = sums.get(key, 0.0) + value
+        if res["count"] >= len(self.eval_rows):
+            await self.eval_finished(version, res)
+        await self.save()
 
     async def eval_finished(self, version: int, res: dict[str, Any]) -> None:
         self.eval_done.add(version)
@@ -286,6 +396,7 @@ class Controller:
             "eval/count": res["count"],
             "eval/mean_head_version": res["versions"] / max(1, res["count"]),
             "eval/seconds": time.time() - res["started"],
+            **{f"eval/{k}": v / max(1, res["count"]) for k, v in res.get("episode", {}).items()},
             "time": time.time(),
         }
         res.pop("seen", None)
@@ -310,10 +421,9 @@ class Controller:
         self.ended = True
         await self.save()
         reason = "total_steps reached" if done_training else "dataset exhausted"
-        await self.bus.kv_put(
-            "state", RUN_ENDED_KEY, msgpack.packb({"reason": reason, "policy_version": final})
-        )
-        await self.bus.publish(
+        await self.run_state.record_then_publish(
+            RUN_ENDED,
+            {"reason": reason, "policy_version": final},
             self.bus.subjects.run_ended,
             RunEnded(reason=reason, policy_version=final, steps=self.trainer_version),
         )
@@ -321,9 +431,22 @@ class Controller:
         self.ended_event.set()
 
 
+def _eval_position(task_id: str) -> tuple[int, int]:
+    """``(version, index)`` of an eval task id ``eval-v<version>-i<index>``; Rejected otherwise."""
+    parts = task_id.split("-")
+    if len(parts) != 3 or parts[0] != "eval" or parts[1][:1] != "v" or parts[2][:1] != "i":
+        raise Rejected(f"{task_id!r} is not an eval task id")
+    try:
+        return int(parts[1][1:]), int(parts[2][1:])
+    except ValueError:
+        raise Rejected(f"{task_id!r} is not an eval task id") from None
+
+
 async def serve(ctx: WorkerContext) -> None:
     controller = Controller(ctx)
     await controller.load()
+    for entry in controller.dropped_on_restore:
+        await controller._quarantine(f"restored {entry} names a row outside the dataset; dropped")
     if controller.ended:
         log.info("run already ended; nothing to do")
         return

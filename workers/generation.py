@@ -14,6 +14,12 @@ every request from prompt + tokens so far (the engine's contract); the worker th
 answers ``weights.loaded``. A worker that joins a running run first loads the version
 the others serve.
 
+Agents: every worker also answers ``generate`` requests (``GenerateCall`` -> ``GenerateReply``,
+core NATS request/reply, queue group ``generation``: one worker answers each call). With a
+workflow other than ``single_turn`` the ``agent`` workers take the prompt tasks and this worker
+only answers their calls. A task or call that fails validation (not issued, unrenderable, bad
+sampling values) is dead-lettered or answered with its error; the worker goes on.
+
 Guarantees: one RolloutGroup per task attempt, published with ``Nats-Msg-Id =
 task_id:attempt`` before the task is acked, so a worker killed mid-task loses nothing
 (the task is redelivered) and a retried publish is stored once.
@@ -32,8 +38,21 @@ import structlog
 from areal_async.data import render_prompt
 from areal_async.engines.base import GenerationRequest, InferenceEngine, SamplingParams
 from areal_async.errors import ConfigError
-from bus.events import Completion, PromptTask, RolloutGroup, WeightsLoad, WeightsLoaded, pack_f32, pack_i32
-from workers.common import WEIGHTS_SERVED_KEY, checked_weights_path, resolve_model_path, unpack_record
+from bus.events import (
+    Completion,
+    GenerateCall,
+    GenerateReply,
+    PromptTask,
+    RolloutGroup,
+    WeightsLoad,
+    WeightsLoaded,
+    pack_f32,
+    pack_i32,
+    unpack_i32,
+)
+from bus.state import WEIGHTS_SERVED, RunState, StateRecordError
+from bus.subjects import Streams
+from workers.common import check_issued, checked_weights_path, resolve_model_path, run_sampling
 from workers.runtime import WorkerContext
 
 log = structlog.get_logger()
@@ -79,21 +98,10 @@ class Generator:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.bus = ctx.bus
+        self.run_state = RunState(ctx.bus)
         self.engine = engine
         self.tokenizer = tokenizer
-        s = self.cfg.rollout.sampling
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        stop = tuple(dict.fromkeys([*eos, *s.stop_token_ids]))
-        self.train_sampling = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_new_tokens=s.max_new_tokens,
-            stop_token_ids=stop,
-        )
-        self.eval_sampling = SamplingParams(
-            temperature=0.0, max_new_tokens=s.max_new_tokens, stop_token_ids=stop
-        )
+        self.train_sampling, self.eval_sampling = run_sampling(self.cfg, tokenizer)
         # Completions in flight, not tasks: an eval task (1 completion) costs less than a group.
         self.capacity = max(2 * self.cfg.rollout.max_batch_size, self.cfg.rollout.group_size)
         self.in_flight = 0
@@ -128,9 +136,13 @@ class Generator:
 
     async def catch_up(self) -> None:
         """A worker joining a running run serves what the others serve before taking tasks."""
-        served = unpack_record(await self.bus.kv_get("state", WEIGHTS_SERVED_KEY))
-        if served and int(served["policy_version"]) > self.engine.version:
-            await self.load(int(served["policy_version"]), str(served["path"]))
+        try:
+            served = await self.run_state.weights(WEIGHTS_SERVED)
+        except StateRecordError as exc:
+            log.error("weights.served record unusable; serving the initial weights", error=str(exc))
+            served = None
+        if served and served.policy_version > self.engine.version:
+            await self.load(served.policy_version, served.path)
 
     async def weights_listener(self) -> None:
         async for ev in self.bus.subscribe(self.bus.subjects.weights_load):
@@ -167,19 +179,86 @@ class Generator:
         self.room.set()
 
     async def task_loop(self, tg: anyio.abc.TaskGroup) -> None:
-        async for delivery in self.bus.consume("PROMPT", batch=1):
+        async for delivery in self.bus.consume(Streams.PROMPT, batch=1):
+            prompt_ids = None
+            try:
+                prompt_ids = await self.admit(delivery.event)
+            except ValueError as exc:  # the poison-message rule: this event, not the worker
+                log.warning("prompt task dead-lettered", reason=str(exc))
+                await delivery.dead_letter(f"prompt rejected: {exc}"[:2000])
+                continue
             await self.reserve(self.completions_for(delivery.event))
-            tg.start_soon(self.handle, delivery)
+            tg.start_soon(self.handle, delivery, prompt_ids)
 
-    async def handle(self, delivery: Any) -> None:
+    async def admit(self, task: Any) -> list[int]:
+        """The prompt ids of a task the controller issued; ValueError (naming why) for anything else."""
+        await check_issued(self.run_state, task)
+        try:
+            prompt_ids = render_prompt(
+                self.tokenizer,
+                task.row,
+                use_chat_template=self.cfg.model.use_chat_template,
+                system_prompt=self.cfg.model.system_prompt,
+            )
+        except Exception as exc:
+            raise ValueError(
+                f"task {task.task_id!r}: its row cannot be rendered ({type(exc).__name__}: {exc})"
+            ) from None
+        return list(prompt_ids)
+
+    async def call_loop(self, tg: anyio.abc.TaskGroup) -> None:
+        """Answer agents' ``generate`` requests; each goes to one member of the ``generation`` group."""
+        async with self.bus.serve(self.bus.subjects.generate, queue="generation") as requests:
+            async for request in requests:
+                await self.reserve(1)
+                tg.start_soon(self.answer, request)
+
+    async def answer(self, request: Any) -> None:
+        """One model call: a bad call is answered with its error; an engine failure stops the worker
+        (the agent's call times out and goes to another generation worker)."""
+        call = request.event
+        call_id = getattr(call, "call_id", "")
+        self.active += 1
+        try:
+            if not isinstance(call, GenerateCall):
+                raise ValueError(f"expected a GenerateCall, got {type(call).__name__}")
+            sampling = SamplingParams(
+                temperature=call.temperature,
+                top_p=call.top_p,
+                top_k=call.top_k,
+                max_new_tokens=call.max_new_tokens,
+                stop_token_ids=tuple(call.stop_token_ids),
+                seed=call.seed,
+            )
+            prompt = tuple(int(t) for t in unpack_i32(call.prompt_ids, "prompt_ids"))
+            request_ = GenerationRequest(request_id=call.call_id, prompt_ids=prompt, sampling=sampling)
+            [result] = await self.engine.generate([request_])
+            reply = GenerateReply(
+                call_id=call_id,
+                engine_id=self.ctx.worker_id,
+                token_ids=pack_i32(result.token_ids),
+                logprobs=pack_f32(result.logprobs),
+                versions=pack_i32(result.versions),
+                finish_reason=result.finish_reason,
+            )
+            self.tokens_out += len(result.token_ids)
+        except ValueError as exc:
+            reply = GenerateReply(
+                call_id=call_id, engine_id=self.ctx.worker_id, error=f"bad call: {exc}"[:2000]
+            )
+        finally:
+            self.active -= 1
+            self.release(1)
+        await request.respond(reply)
+
+    async def handle(self, delivery: Any, prompt_ids: list[int]) -> None:
         task = delivery.event
-        assert isinstance(task, PromptTask)
         self.active += 1
         self.ctx.set_status("busy")
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_keep_alive, delivery)
-                group = await self.generate_group(task)
+                group = await self.generate_group(task, prompt_ids)
                 await self.bus.publish(
                     self.bus.subjects.rollout_generated,
                     group,
@@ -205,14 +284,8 @@ class Generator:
             if not self.active:
                 self.ctx.set_status("ready")
 
-    async def generate_group(self, task: PromptTask) -> RolloutGroup:
+    async def generate_group(self, task: PromptTask, prompt_ids: list[int]) -> RolloutGroup:
         cfg = self.cfg
-        prompt_ids = render_prompt(
-            self.tokenizer,
-            task.row,
-            use_chat_template=cfg.model.use_chat_template,
-            system_prompt=cfg.model.system_prompt,
-        )
         is_eval = task.kind == "eval"
         n = 1 if is_eval else cfg.rollout.group_size
         sampling = self.eval_sampling if is_eval else self.train_sampling
@@ -278,4 +351,7 @@ async def serve(ctx: WorkerContext) -> None:
             await gen.catch_up()
             ctx.set_status("ready")
             log.info("generation ready", engine_id=engine.engine_id, policy_version=engine.version)
+            tg.start_soon(gen.call_loop, tg)
+            if ctx.cfg.uses_agents:  # agent workers take the prompt tasks and call us per turn
+                await anyio.sleep_forever()
             await gen.task_loop(tg)

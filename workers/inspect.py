@@ -11,7 +11,14 @@ direct gets by sequence number, so inspecting never steals a task from a worker.
 The URL comes from ``--url``, else ``bus.url`` of the config, else (embedded server)
 ``<run_dir>/nats.url`` written by ``areal-async run``. With ``--config`` inspect connects
 with the run's credentials and TLS settings (``bus.user``/``token``/``creds``/``tls_*``, and
-``AREAL_NATS_PASSWORD``/``AREAL_NATS_TOKEN`` from the environment), as a worker does.
+``AREAL_NATS_PASSWORD``/``AREAL_NATS_TOKEN`` from the environment), as a worker does; on an
+embedded run it logs in as the run's ``ops`` user (``<run_dir>/nats/credentials.json``).
+
+A finished embedded run (its server stopped) is read from its JetStream store: when no server
+answers at the run's URL, inspect starts a temporary nats-server on ``<run_dir>/nats`` (a
+private port on 127.0.0.1, the run's users), reads, and stops it. It only reads there: nothing
+is published or acked, and ``tail`` shows stored streams only. The store lock of
+``bus.embedded`` keeps it from opening a store that the run's launcher still holds.
 """
 
 from __future__ import annotations
@@ -21,13 +28,19 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
 from areal_async.config import RunConfig, load_config
 from areal_async.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bus import Bus, ConnectOptions
 
 PACKED_INT = {"token_ids", "versions", "prompt_ids"}
 PACKED_FLOAT = {"logprobs"}
@@ -55,26 +68,107 @@ def to_jsonable(event: Any) -> Any:
     )
 
 
-def _resolve(args: argparse.Namespace) -> tuple[str, str, RunConfig | None]:
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What to inspect and where."""
+
+    run: str
+    url: str | None
+    """None: an embedded run whose ``nats.url`` is gone; read from ``store``."""
+    cfg: RunConfig | None
+    store: Path | None
+    """The JetStream store of an embedded run (``<run_dir>/nats``), read when its server is gone."""
+
+
+def _resolve(args: argparse.Namespace) -> Target:
     run_name = args.run_name
     url = args.url
     cfg = None
+    store = None
     if args.config:
         cfg = load_config(args.config, args.overrides)
         run_name = run_name or cfg.name
-        if url is None and cfg.bus.url != "embedded":
+        if cfg.bus.url == "embedded":
+            store = cfg.run_dir / "nats"
+        elif url is None:
             url = cfg.bus.url
         if url is None:
             f = cfg.run_dir / "nats.url"
-            if not f.is_file():
+            if f.is_file():
+                url = f.read_text().strip()
+            elif not (cfg.run_dir / "nats" / "jetstream").is_dir():
                 raise ConfigError(
-                    f"bus.url is 'embedded' and {f} does not exist: is the run started with "
-                    "`areal-async run`? Otherwise pass --url nats://HOST:PORT"
+                    f"bus.url is 'embedded' and neither {f} nor the store {store} exists: has the run "
+                    "been started with `areal-async run`? Otherwise pass --url nats://HOST:PORT"
                 )
-            url = f.read_text().strip()
-    if not run_name or not url:
+    if not run_name or not (url or store):
         raise ConfigError("inspect needs --config RUN.yaml, or both --url and --run")
-    return url, run_name, cfg
+    return Target(run=run_name, url=url, cfg=cfg, store=store)
+
+
+def _options(target: Target, url: str) -> ConnectOptions:
+    """How to log in at ``url``: the run's ops user for an embedded run, else as a worker of the run."""
+    from bus import ConnectOptions
+    from bus.embedded import read_credentials
+    from workers.runtime import connect_options
+
+    if target.cfg is None:
+        return ConnectOptions(url=url, name="inspect", connect_timeout_s=5.0)
+    bus_cfg = dataclasses.replace(target.cfg.bus, url=url, connect_timeout_s=5.0)
+    passwords = read_credentials(target.store) if target.store is not None else None
+    if passwords and "ops" in passwords:  # the embedded server knows only its generated users
+        bus_cfg = dataclasses.replace(
+            bus_cfg, user="ops", password=passwords["ops"], token=None, nkeys_seed=None, creds=None
+        )
+    return connect_options(bus_cfg, name="inspect")
+
+
+@asynccontextmanager
+async def _open(target: Target) -> AsyncIterator[tuple[Bus, bool]]:
+    """(bus, from_store): a connection to the run's server, or to a temporary server on the store
+    of a finished embedded run when none answers at its URL."""
+    from bus import BusConnectError, EmbeddedServer, EmbeddedServerError, connect
+    from bus.embedded import read_credentials
+
+    refused: BusConnectError | None = None
+    if target.url is not None:
+        try:
+            bus = await connect(_options(target, target.url), target.run)
+        except BusConnectError as exc:
+            if target.store is None or not (target.store / "jetstream").is_dir():
+                raise
+            refused = exc
+        else:
+            try:
+                yield bus, False
+            finally:
+                await bus.close()
+            return
+    assert target.store is not None and target.cfg is not None
+    server = EmbeddedServer(
+        target.store,
+        max_payload=int(target.cfg.bus.max_payload_mb * 2**20),
+        users=read_credentials(target.store),
+        run=target.run,
+    )
+    try:
+        await server.astart()
+    except EmbeddedServerError as exc:
+        if refused is None:
+            raise
+        raise BusConnectError(f"{refused}; reading the run's store instead failed: {exc}") from exc
+    try:
+        assert server.url is not None
+        sys.stderr.write(
+            f"note: no server of run {target.run!r} is running; reading its store {target.store}\n"
+        )
+        bus = await connect(_options(target, server.url), target.run)
+        try:
+            yield bus, True
+        finally:
+            await bus.close()
+    finally:
+        await server.astop()
 
 
 async def _last_messages(bus: Any, stream_key: str, count: int) -> list[tuple[int, Any]]:
@@ -102,7 +196,16 @@ async def _last_messages(bus: Any, stream_key: str, count: int) -> list[tuple[in
 
 async def summary(bus: Any, as_json: bool) -> int:
     from bus.events import decode
-    from workers.common import RUN_ENDED_KEY, WEIGHTS_PUBLISHED_KEY, WEIGHTS_SERVED_KEY, unpack_record
+    from bus.state import CONTROLLER, RUN_ENDED, WEIGHTS_PUBLISHED, WEIGHTS_SERVED, RunState, StateRecordError
+    from bus.subjects import Buckets
+
+    run_state = RunState(bus)
+
+    async def record(key: str) -> Any:
+        try:
+            return await run_state.get(key)
+        except StateRecordError as exc:
+            return {"unusable": str(exc)}
 
     report: dict[str, Any] = {"run": bus.run, "streams": {}, "state": {}, "workers": []}
     for spec in bus.subjects.streams:
@@ -125,9 +228,9 @@ async def summary(bus: Any, as_json: bool) -> int:
             except Exception:
                 entry["consumer"] = None
         report["streams"][spec.key] = entry
-    for key in (WEIGHTS_PUBLISHED_KEY, WEIGHTS_SERVED_KEY, RUN_ENDED_KEY):
-        report["state"][key] = unpack_record(await bus.kv_get("state", key))
-    ctrl = unpack_record(await bus.kv_get("state", "controller"))
+    for key in (WEIGHTS_PUBLISHED, WEIGHTS_SERVED, RUN_ENDED):
+        report["state"][key] = await record(key)
+    ctrl = await record(CONTROLLER)
     if ctrl:
         sch = ctrl.get("scheduler", {})
         report["state"]["controller"] = {
@@ -135,8 +238,8 @@ async def summary(bus: Any, as_json: bool) -> int:
             for k in ("issued", "trained", "served_version", "trainer_step", "total_issued", "failures")
         }
     now = time.time()
-    for key in await bus.kv_keys("workers"):
-        entry = await bus.kv_get("workers", key)
+    for key in await bus.kv_keys(Buckets.WORKERS):
+        entry = await bus.kv_get(Buckets.WORKERS, key)
         if entry is None:
             continue
         beat = decode(entry.value)
@@ -180,24 +283,41 @@ async def summary(bus: Any, as_json: bool) -> int:
     return 0
 
 
-async def steps(bus: Any, count: int, as_json: bool, eta: int | None) -> int:
-    """Staleness per trained step; exit 1 if a step broke t - eta <= head_version <= t."""
-    rows = []
+async def steps(bus: Any, count: int, as_json: bool, max_staleness: int | None) -> int:
+    """Staleness per trained step, and the audit; exit 1 if any step broke it.
+
+    A step breaks the audit when a group trails ``t - max_staleness <= head_version <= t``, when it
+    names a task id the controller never issued (no ``issued.<task_id>`` record) or one an earlier
+    step already trained, or when its stored entry cannot be decoded.
+    """
+    from areal_async.algo.staleness import StalenessStats
+    from bus.state import RunState
+
+    run_state = RunState(bus)
+    rows: list[dict[str, Any]] = []
     violations = 0
-    for _seq, ev in await _last_messages(bus, "STEPS", count):
+    trained: set[str] = set()
+    for seq, ev in await _last_messages(bus, "STEPS", count):
         if isinstance(ev, dict):
+            violations += 1
+            rows.append({"seq": seq, "undecodable": ev.get("undecodable", "?"), "invariant_ok": False})
             continue
-        t = ev.policy_version - 1
-        stale = [t - h for h in ev.head_versions]
-        bad = eta is not None and any(s < 0 or s > eta for s in stale)
+        stats = StalenessStats.of(trainer_version=ev.policy_version - 1, head_versions=ev.head_versions)
+        unissued = [t for t in ev.task_ids if await run_state.issued(t) is None]
+        twice = [t for t in ev.task_ids if t in trained]
+        trained.update(ev.task_ids)
+        bad = (max_staleness is not None and not stats.within(max_staleness)) or bool(unissued) or bool(twice)
         violations += bad
         rows.append(
             {
+                "seq": seq,
                 "step": ev.step,
                 "groups": len(ev.task_ids),
-                "staleness_max": max(stale, default=0),
-                "staleness_mean": sum(stale) / max(1, len(stale)),
+                "staleness_max": stats.max,
+                "staleness_mean": stats.mean,
                 "reward_mean": ev.metrics.get("reward_mean"),
+                "unissued": unissued,
+                "trained_before": twice,
                 "invariant_ok": not bad,
             }
         )
@@ -205,13 +325,19 @@ async def steps(bus: Any, count: int, as_json: bool, eta: int | None) -> int:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
     else:
         sys.stdout.write(
-            f"{'step':>5} {'groups':>6} {'stale max':>9} {'stale mean':>10} {'reward':>7}  invariant\n"
+            f"{'step':>5} {'groups':>6} {'stale max':>9} {'stale mean':>10} {'reward':>7}  audit\n"
         )
         for r in rows:
+            if "undecodable" in r:
+                sys.stdout.write(f"  #{r['seq']} undecodable entry: {r['undecodable']}  VIOLATED\n")
+                continue
             reward = r["reward_mean"] if r["reward_mean"] is not None else float("nan")
+            notes = [f"{len(r['unissued'])} unissued"] if r["unissued"] else []
+            notes += [f"{len(r['trained_before'])} trained before"] if r["trained_before"] else []
+            verdict = "ok" if r["invariant_ok"] else "VIOLATED " + ", ".join(notes)
             sys.stdout.write(
                 f"{r['step']:>5} {r['groups']:>6} {r['staleness_max']:>9} {r['staleness_mean']:>10.2f} "
-                f"{reward:>7.3f}  {'ok' if r['invariant_ok'] else 'VIOLATED'}\n"
+                f"{reward:>7.3f}  {verdict}\n"
             )
     return 1 if violations else 0
 
@@ -242,9 +368,17 @@ async def deadletters(bus: Any, count: int, as_json: bool) -> int:
     return 0
 
 
-async def tail(bus: Any, subject: str, count: int) -> int:
+async def tail(bus: Any, subject: str, count: int, *, stored_only: bool = False) -> int:
+    """The last ``count`` events of a stream subject, or the next ``count`` of a core subject
+    (refused with ``stored_only``: no server runs that could publish them)."""
     full = subject if subject.startswith(bus.subjects.prefix) else bus.subjects.prefix + subject
     spec = bus.subjects.stream_for_subject(full)
+    if spec is None and stored_only:
+        stored = ", ".join(s.subject.removeprefix(bus.subjects.prefix) for s in bus.subjects.streams)
+        raise ConfigError(
+            f"{full} is not stored and the run is not running, so there is nothing to tail; "
+            f"pick a stored subject ({stored})"
+        )
     if spec is not None:
         for seq, ev in await _last_messages(bus, spec.key, count):
             sys.stdout.write(json.dumps({"seq": seq, "event": to_jsonable(ev)}, default=str) + "\n")
@@ -261,33 +395,24 @@ async def tail(bus: Any, subject: str, count: int) -> int:
 
 
 async def _inspect(args: argparse.Namespace) -> int:
-    from bus.client import ConnectOptions, connect
-    from workers.runtime import connect_options
-
-    url, run_name, cfg = _resolve(args)
-    if cfg is not None:  # the run's user, creds, TLS and environment secrets
-        options = connect_options(dataclasses.replace(cfg.bus, url=url), name="inspect")
-    else:
-        options = ConnectOptions(url=url, name="inspect")
-    bus = await connect(dataclasses.replace(options, connect_timeout=5.0), run_name)
-    try:
+    target = _resolve(args)
+    if args.what == "tail" and not args.subject:
+        raise ConfigError("inspect tail needs a SUBJECT, e.g. `inspect --config RUN.yaml tail trainer.step`")
+    async with _open(target) as (bus, from_store):
         if args.what == "summary":
             return await summary(bus, args.json)
         if args.what == "steps":
-            eta = cfg.rollout.max_staleness if cfg is not None else None
-            return await steps(bus, args.count, args.json, eta)
+            max_staleness = target.cfg.rollout.max_staleness if target.cfg is not None else None
+            return await steps(bus, args.count, args.json, max_staleness)
         if args.what == "deadletter":
             return await deadletters(bus, args.count, args.json)
         if args.what == "tail":
-            if not args.subject:
-                raise ConfigError(
-                    "inspect tail needs a SUBJECT, e.g. `inspect --config RUN.yaml tail trainer.step`"
-                )
-            return await tail(bus, args.subject, args.count)
-    finally:
-        await bus.close()
+            return await tail(bus, args.subject, args.count, stored_only=from_store)
     return 2
 
 
 def inspect_main(args: argparse.Namespace) -> int:
+    from areal_async.logs import configure_logging
+
+    configure_logging(level="warning", fmt="console")  # stdout is the report; problems go to stderr
     return anyio.run(_inspect, args, backend="asyncio")

@@ -4,6 +4,14 @@ Starts an embedded nats-server (store under ``<run_dir>/nats``), then one proces
 role (``areal-worker --role ROLE``; the trainer under torchrun when
 ``trainer.num_ranks > 1``), streams their output with role prefixes, and supervises:
 
+- the server requires per-run credentials: one user per role and ``ops`` (for
+  ``inspect``), random passwords in ``<run_dir>/nats/credentials.json`` (mode 0600; a resumed
+  run reuses them), each confined to its role's permissions (``bus.role_permissions``)
+  on this run. A worker gets ``--set bus.user=ROLE`` and its password in
+  ``AREAL_NATS_PASSWORD`` (never on a command line); these win over ``bus.user``,
+  ``bus.password``, ``bus.token``, ``bus.nkeys_seed`` and ``bus.creds`` of the run file;
+- a nats-server that dies (killed, OOM) is restarted on the same port, store and config
+  (up to ``MAX_RESTARTS`` times); the workers' connections reconnect with back-off;
 - a worker that crashes is restarted (up to ``MAX_RESTARTS`` times); the bus redelivers
   whatever it held and the trainer resumes from its last checkpoint;
 - when the controller exits cleanly the run is over: the others get ``RUN_END_GRACE_S``
@@ -11,7 +19,13 @@ role (``areal-worker --role ROLE``; the trainer under torchrun when
 - Ctrl-C (SIGINT) or SIGTERM stops every worker (SIGTERM, then SIGKILL after a grace
   period) and the server. Running the same command again resumes the run.
 
-At the end a plot and a one-screen summary are produced from the run dir.
+Exit code: 0 when the run ended, 1 when a role (or the server) failed more than
+``MAX_RESTARTS`` times, 130 when stopped by a signal.
+
+Every ``RSS_SAMPLE_S`` the resident memory of each role's process tree (the worker and its
+descendants, e.g. torchrun ranks) is sampled from ``/proc``; the peak per role is shown
+live and in the summary. At the end a plot and a one-screen summary are produced from the
+run dir.
 """
 
 from __future__ import annotations
@@ -22,16 +36,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from areal_async.config import RunConfig, load_config
 from areal_async.errors import ConfigError
+from bus.embedded import EmbeddedServer, EmbeddedServerError, run_credentials
 
 MAX_RESTARTS = 3
 RUN_END_GRACE_S = 30.0
 STOP_GRACE_S = 20.0
+RSS_SAMPLE_S = 1.0
+SERVER_ROLE = "nats-server"
+"""Name of the embedded server in the resource table."""
+
+EMBEDDED_OVERRIDES = ("bus.password=null", "bus.token=null", "bus.nkeys_seed=null", "bus.creds=null")
+"""What the generated credentials replace in a worker's config (besides ``bus.user``)."""
 
 
 @dataclass
@@ -41,14 +62,16 @@ class Child:
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
-    lines: list[str] = field(default_factory=list)
+    peak_rss: int = 0
+    """Largest resident set (bytes) of the role's process tree seen so far, over all restarts."""
 
 
 def _worker_argv(
-    cfg: RunConfig, role: str, config_path: str, overrides: Sequence[str], url: str
+    cfg: RunConfig, role: str, config_path: str, overrides: Sequence[str], url: str, *, embedded: bool
 ) -> list[str]:
     sets: list[str] = []
-    for o in [*overrides, f"bus.url={url}"]:
+    own = [f"bus.user={role}", *EMBEDDED_OVERRIDES] if embedded else []
+    for o in [*overrides, f"bus.url={url}", *own]:
         sets += ["--set", o]
     base = ["--role", role, "--config", config_path, *sets]
     if role == "trainer" and cfg.trainer.num_ranks > 1:
@@ -63,6 +86,14 @@ def _worker_argv(
             *base,
         ]
     return [sys.executable, "-m", "workers.cli", *base]
+
+
+def _worker_env(base: Mapping[str, str], role: str, passwords: Mapping[str, str] | None) -> dict[str, str]:
+    env = dict(base)
+    if passwords is not None:  # the role's own password only; no shared token
+        env.pop("AREAL_NATS_TOKEN", None)
+        env["AREAL_NATS_PASSWORD"] = passwords[role]
+    return env
 
 
 def _pump(child: Child, stream: object, out_lock: threading.Lock, echo: bool, sink: Path) -> None:
@@ -107,15 +138,116 @@ def _stop(children: Sequence[Child], grace: float) -> None:
             c.proc.wait()
 
 
-def launch(config_path: str, overrides: Sequence[str], *, roles: Sequence[str], live: bool = True) -> int:
-    """Run the job described by ``config_path``; returns the exit code."""
-    from bus.embedded import EmbeddedServer
-    from workers.cli import ROLES
+# ---- resident memory ------------------------------------------------------------------------
 
-    unknown = [r for r in roles if r not in ROLES]
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc."""
+    parents = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        parents[int(entry.name)] = int(stat[stat.rindex(b")") + 2 :].split()[1])
+    return parents
+
+
+def _rss(pid: int) -> int:
+    """VmRSS of ``pid`` in bytes (0 for a zombie or a process that is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def tree_rss(roots: Sequence[int], parents: Mapping[int, int] | None = None) -> dict[int, int]:
+    """Resident bytes of each root pid's process tree (the process and all its descendants)."""
+    parents = _parents() if parents is None else parents
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    totals = {}
+    for root in roots:
+        total, todo = 0, [root]
+        while todo:
+            pid = todo.pop()
+            total += _rss(pid)
+            todo += children.get(pid, [])
+        totals[root] = total
+    return totals
+
+
+class RssSampler:
+    """Peak resident memory per role, sampled at most every ``RSS_SAMPLE_S``."""
+
+    def __init__(self, children: Sequence[Child], server: EmbeddedServer | None) -> None:
+        self.children = children
+        self.server = server
+        self.server_peak = 0
+        self.next = 0.0
+
+    def sample(self) -> None:
+        if time.monotonic() < self.next:
+            return
+        self.next = time.monotonic() + RSS_SAMPLE_S
+        live = {c.proc.pid: c for c in self.children if c.proc is not None and c.proc.poll() is None}
+        server_pid = self.server.pid if self.server is not None and self.server.running else None
+        roots = [*live, *([server_pid] if server_pid else [])]
+        if not roots:
+            return
+        totals = tree_rss(roots)
+        for pid, child in live.items():
+            child.peak_rss = max(child.peak_rss, totals[pid])
+        if server_pid:
+            self.server_peak = max(self.server_peak, totals[server_pid])
+
+    def peaks(self) -> dict[str, int]:
+        peaks = {c.role: c.peak_rss for c in self.children}
+        if self.server is not None:
+            peaks[SERVER_ROLE] = self.server_peak
+        return peaks
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+def _start_bus(cfg: RunConfig) -> tuple[EmbeddedServer | None, str, dict[str, str] | None]:
+    """(server, URL, passwords): the run's embedded server with its credentials, or the configured URL."""
+    if cfg.bus.url != "embedded":
+        return None, cfg.bus.url, None
+    store = cfg.run_dir / "nats"
+    passwords = run_credentials(store)
+    server = EmbeddedServer(
+        store_dir=store,
+        max_payload=int(cfg.bus.max_payload_mb * 1024 * 1024),
+        users=passwords,
+        run=cfg.name,
+    ).start()
+    assert server.url is not None
+    (cfg.run_dir / "nats.url").write_text(server.url + "\n")
+    return server, server.url, passwords
+
+
+def launch(
+    config_path: str, overrides: Sequence[str], *, roles: Sequence[str] | None = None, live: bool = True
+) -> int:
+    """Run the job described by ``config_path``; returns the exit code."""
+    from workers.roles import ROLES, run_roles
+
+    unknown = [r for r in roles or () if r not in ROLES]
     if unknown:
         raise ConfigError(f"--roles: unknown role(s) {unknown}; choose from {list(ROLES)}")
     cfg = load_config(config_path, overrides)
+    roles = list(roles) if roles else list(run_roles(cfg.uses_agents))
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides)
@@ -123,20 +255,16 @@ def launch(config_path: str, overrides: Sequence[str], *, roles: Sequence[str], 
     if model_path is not None:
         overrides.append(f"model.path={model_path}")
 
-    server = None
-    if cfg.bus.url == "embedded":
-        server = EmbeddedServer(
-            store_dir=run_dir / "nats", max_payload=int(cfg.bus.max_payload_mb * 1024 * 1024)
-        )
-        server.start()
-        url = server.url
-        (run_dir / "nats.url").write_text(url + "\n")
-    else:
-        url = cfg.bus.url
+    server, url, passwords = _start_bus(cfg)
     out_lock = threading.Lock()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "AREAL_BUS_URL": url}
     children = [
-        Child(role=r, argv=_worker_argv(cfg, r, config_path, overrides, url), env={**env}) for r in roles
+        Child(
+            role=r,
+            argv=_worker_argv(cfg, r, config_path, overrides, url, embedded=server is not None),
+            env=_worker_env(env, r, passwords),
+        )
+        for r in roles
     ]
     stopping = threading.Event()
 
@@ -145,42 +273,23 @@ def launch(config_path: str, overrides: Sequence[str], *, roles: Sequence[str], 
 
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
-    code = 0
     live = live and sys.stdout.isatty()
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    rss = RssSampler(children, server)
     display = _LiveDisplay(run_dir, children) if live else None
     try:
         for c in children:
             _start(c, out_lock, not live, logs)
         if display is not None:
             display.start()
-        while not stopping.is_set():
-            time.sleep(0.2)
+
+        def tick() -> None:
+            rss.sample()
             if display is not None:
                 display.refresh()
-            controller = next((c for c in children if c.role == "controller"), None)
-            if controller and controller.proc and controller.proc.poll() == 0:
-                _wait_others(children, RUN_END_GRACE_S)
-                break
-            for c in children:
-                rc = c.proc.poll() if c.proc else None
-                if rc is None or (rc == 0 and c.role != "controller"):
-                    continue
-                if c.restarts >= MAX_RESTARTS:
-                    sys.stderr.write(
-                        f"error: {c.role} failed {c.restarts + 1} times (exit {rc}); stopping the run\n"
-                    )
-                    code = 1
-                    stopping.set()
-                    break
-                c.restarts += 1
-                sys.stderr.write(f"warning: {c.role} exited with {rc}; restart {c.restarts}/{MAX_RESTARTS}\n")
-                _start(c, out_lock, not live, logs)
-            if not any(c.proc and c.proc.poll() is None for c in children):
-                break
-        else:
-            code = 130
+
+        code = _supervise(children, server, stopping, tick, lambda c: _start(c, out_lock, not live, logs))
     finally:
         if display is not None:
             display.stop()
@@ -189,8 +298,59 @@ def launch(config_path: str, overrides: Sequence[str], *, roles: Sequence[str], 
             server.stop()
         for s, h in old.items():
             signal.signal(s, h)
-    _finish(cfg, time.monotonic() - started)
+    _finish(cfg, time.monotonic() - started, rss.peaks())
     return code
+
+
+def _supervise(
+    children: Sequence[Child],
+    server: EmbeddedServer | None,
+    stopping: threading.Event,
+    tick: Callable[[], None],
+    restart: Callable[[Child], None],
+) -> int:
+    """Watch the server and the workers until the run ends (0), a part fails for good (1), or a
+    stop signal arrives (130)."""
+    server_restarts = 0
+    while not stopping.is_set():
+        time.sleep(0.2)
+        tick()
+        if server is not None and not server.running:
+            if server_restarts >= MAX_RESTARTS:
+                sys.stderr.write(
+                    f"error: nats-server failed {server_restarts + 1} times (exit {server.returncode}); "
+                    "stopping the run\n"
+                )
+                return 1
+            server_restarts += 1
+            sys.stderr.write(
+                f"warning: nats-server exited with {server.returncode}; "
+                f"restart {server_restarts}/{MAX_RESTARTS} on {server.url}\n"
+            )
+            try:
+                server.restart()
+            except EmbeddedServerError as exc:
+                sys.stderr.write(f"error: nats-server did not restart: {exc}\n")
+                return 1
+        controller = next((c for c in children if c.role == "controller"), None)
+        if controller and controller.proc and controller.proc.poll() == 0:
+            _wait_others(children, RUN_END_GRACE_S, tick)
+            return 0
+        for c in children:
+            rc = c.proc.poll() if c.proc else None
+            if rc is None or (rc == 0 and c.role != "controller"):
+                continue
+            if c.restarts >= MAX_RESTARTS:
+                sys.stderr.write(
+                    f"error: {c.role} failed {c.restarts + 1} times (exit {rc}); stopping the run\n"
+                )
+                return 1
+            c.restarts += 1
+            sys.stderr.write(f"warning: {c.role} exited with {rc}; restart {c.restarts}/{MAX_RESTARTS}\n")
+            restart(c)
+        if not any(c.proc and c.proc.poll() is None for c in children):
+            return 0
+    return 130
 
 
 class _LiveDisplay:
@@ -205,9 +365,9 @@ class _LiveDisplay:
         self.live = Live(auto_refresh=False)
         self.last = 0.0
 
-    def _proc(self, role: str) -> tuple[bool, int]:
+    def _proc(self, role: str) -> tuple[bool, int, int]:
         c = self.children[role]
-        return (c.proc is not None and c.proc.poll() is None), c.restarts
+        return (c.proc is not None and c.proc.poll() is None), c.restarts, c.peak_rss
 
     def start(self) -> None:
         self.live.start()
@@ -226,10 +386,11 @@ class _LiveDisplay:
         self.live.stop()
 
 
-def _wait_others(children: Sequence[Child], grace: float) -> None:
+def _wait_others(children: Sequence[Child], grace: float, tick: Callable[[], None]) -> None:
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(c.proc and c.proc.poll() is None for c in children):
         time.sleep(0.2)
+        tick()
 
 
 def _prepare_model(cfg: RunConfig) -> Path | None:
@@ -241,7 +402,7 @@ def _prepare_model(cfg: RunConfig) -> Path | None:
     return prepare_smollm2(None, dtype="float32")
 
 
-def _finish(cfg: RunConfig, wall_s: float) -> None:
+def _finish(cfg: RunConfig, wall_s: float, peak_rss: Mapping[str, int]) -> None:
     from workers.report import write_report
 
-    write_report(cfg.run_dir, wall_s=wall_s)
+    write_report(cfg.run_dir, wall_s=wall_s, peak_rss=peak_rss)

@@ -3,7 +3,8 @@
 Reads what the workers already write: ``metrics.jsonl`` (trainer, one line per step),
 ``eval.jsonl`` (controller, one line per evaluation) and each worker's JSON log under
 ``logs/`` (last ``status`` event = its health). No bus connection is needed, so the
-display can never slow the run down.
+display can never slow the run down. The launcher adds what only it knows per role: whether
+the process is up, its restarts, and the peak resident memory of its process tree.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 from rich.console import Group
 from rich.table import Table
+
+from workers.report import format_rss
 
 
 def _tail_json(path: Path, max_bytes: int = 65536) -> list[dict[str, Any]]:
@@ -49,8 +52,9 @@ def role_health(run_dir: Path, role: str) -> tuple[str, str, float | None]:
 
 
 def render(
-    run_dir: Path, roles: Sequence[str], procs: Callable[[str], tuple[bool, int]], started: float
+    run_dir: Path, roles: Sequence[str], procs: Callable[[str], tuple[bool, int, int]], started: float
 ) -> Group:
+    """The step table and the role table; ``procs(role)`` is (process up, restarts, peak RSS bytes)."""
     steps = _tail_json(run_dir / "metrics.jsonl")
     evals = _tail_json(run_dir / "eval.jsonl")
     last = steps[-1] if steps else {}
@@ -78,15 +82,16 @@ def render(
     else:
         head.add_row("0", "-", acc, "-", "-", "-")
     health = Table(show_header=True)
-    for col in ("role", "process", "restarts", "status", "detail", "last log"):
+    for col in ("role", "process", "restarts", "peak RSS", "status", "detail", "last log"):
         health.add_column(col)
     for role in roles:
-        alive, restarts = procs(role)
+        alive, restarts, peak_rss = procs(role)
         status, detail, age = role_health(run_dir, role)
         health.add_row(
             role,
             "up" if alive else "down",
             str(restarts),
+            format_rss(peak_rss),
             status,
             detail[:60],
             f"{age:.0f} s ago" if age is not None else "-",

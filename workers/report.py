@@ -3,15 +3,26 @@
 Reads ``metrics.jsonl`` (one line per training step, written by the trainer) and
 ``eval.jsonl`` (one line per evaluation round, written by the controller). Plots train
 reward, eval accuracy, staleness and step time against step and against wall time into
-``<run_dir>/report.png``; returns the summary text (also written to ``summary.txt``).
+``<run_dir>/report.png``; returns the summary text (also written to ``summary.txt``), which
+also lists the peak resident memory of each role's process tree when the launcher measured it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+
+def format_rss(size: int) -> str:
+    """Resident memory for people: ``"312 MiB"``, ``"1.4 GiB"``; ``"-"`` when never measured."""
+    if size <= 0:
+        return "-"
+    if size < 2**30:
+        return f"{size / 2**20:.0f} MiB"
+    return f"{size / 2**30:.1f} GiB"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -28,7 +39,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def summarize(run_dir: Path, wall_s: float | None = None) -> str:
+def summarize(run_dir: Path, wall_s: float | None = None, peak_rss: Mapping[str, int] | None = None) -> str:
     steps = read_jsonl(run_dir / "metrics.jsonl")
     evals = read_jsonl(run_dir / "eval.jsonl")
     lines = [f"run dir      {run_dir}"]
@@ -52,6 +63,8 @@ def summarize(run_dir: Path, wall_s: float | None = None) -> str:
     if evals:
         accs = ", ".join(f"v{e['policy_version']}={e['eval/accuracy']:.3f}" for e in evals)
         lines.append(f"eval acc     {accs}")
+    if peak_rss:
+        lines.append("peak RSS     " + ", ".join(f"{role} {format_rss(n)}" for role, n in peak_rss.items()))
     return "\n".join(lines)
 
 
@@ -96,8 +109,10 @@ def plot(run_dir: Path) -> Path | None:
     return out
 
 
-def write_report(run_dir: Path, *, wall_s: float | None = None) -> str:
-    text = summarize(run_dir, wall_s)
+def write_report(
+    run_dir: Path, *, wall_s: float | None = None, peak_rss: Mapping[str, int] | None = None
+) -> str:
+    text = summarize(run_dir, wall_s, peak_rss)
     png = plot(run_dir)
     if png is not None:
         text += f"\nplot         {png}"

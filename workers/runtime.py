@@ -33,7 +33,7 @@ import structlog
 
 from areal_async.config import BusConfig, RunConfig, write_resolved_config
 from areal_async.logs import configure_logging
-from bus.client import (
+from bus import (
     Bus,
     BusConnectError,
     BusPermissionError,
@@ -43,7 +43,8 @@ from bus.client import (
     connect,
 )
 from bus.events import Heartbeat, RunEnded, encode
-from workers.common import RUN_ENDED_KEY, state_records
+from bus.state import RUN_ENDED, RunState
+from bus.subjects import Buckets
 
 log = structlog.get_logger()
 
@@ -110,8 +111,8 @@ def connect_options(bus_cfg: BusConfig, *, name: str) -> ConnectOptions:
         tls_ca=bus_cfg.tls_ca,
         tls_cert=bus_cfg.tls_cert,
         tls_key=bus_cfg.tls_key,
-        connect_timeout=bus_cfg.connect_timeout_s,
-        reconnect_wait_max=bus_cfg.reconnect_wait_max_s,
+        connect_timeout_s=bus_cfg.connect_timeout_s,
+        reconnect_wait_max_s=bus_cfg.reconnect_wait_max_s,
     )
 
 
@@ -289,7 +290,7 @@ async def _main(
             ctx.status = "stopped"
             try:
                 await bus.publish(bus.subjects.heartbeat(role, worker_id), ctx.heartbeat())
-                await bus.kv_delete("workers", f"{role}.{worker_id}")
+                await bus.kv_delete(Buckets.WORKERS, f"{role}.{worker_id}")
             except Exception as exc:  # the bus may be the reason we stop
                 log.warning("could not announce stop", error=str(exc))
             await bus.close()
@@ -323,7 +324,7 @@ async def _heartbeats(ctx: WorkerContext) -> None:
         beat = ctx.heartbeat()
         try:
             await ctx.bus.publish(subject, beat)
-            await ctx.bus.kv_put("workers", key, encode(beat))
+            await ctx.bus.kv_put(Buckets.WORKERS, key, encode(beat))
         except Exception as exc:  # a lost connection pauses beats; nats-py reconnects underneath
             log.warning("heartbeat failed", error=str(exc))
         await anyio.sleep(ctx.cfg.bus.heartbeat_interval_s)
@@ -334,18 +335,26 @@ async def _watch_run_end(ctx: WorkerContext, scope: anyio.CancelScope) -> None:
     checkpoint) watches ``ctx.ended`` itself and returns from ``serve``."""
     if ctx.role == "controller":
         return  # the controller decides when the run ends
-    if await ctx.bus.kv_get("state", RUN_ENDED_KEY) is None:
+    run_state = RunState(ctx.bus)
+    if await ctx.bus.kv_get(Buckets.STATE, RUN_ENDED) is None:
         async with anyio.create_task_group() as tg, ctx.bus.subscribe(ctx.bus.subjects.run_ended) as sub:
 
             async def from_state() -> None:  # the event may be lost in a disconnect; the key is not
-                async for record in state_records(ctx.bus, RUN_ENDED_KEY, ctx.cfg.bus.heartbeat_interval_s):
+                async for record in run_state.latest(RUN_ENDED, ctx.cfg.bus.heartbeat_interval_s):
                     if record is not None:
-                        log.info("run ended, read from the state bucket", **record)
+                        log.info("run ended, read from the state bucket", reason=record.get("reason"))
                         tg.cancel_scope.cancel()
 
             tg.start_soon(from_state)
             async for event in sub:
+                # The controller records the end before announcing it: an event without the record is
+                # not the controller's (docs/design.md section 8) and stops nothing.
                 if isinstance(event, RunEnded):
+                    if await ctx.bus.kv_get(Buckets.STATE, RUN_ENDED) is None:
+                        log.warning(
+                            "run.ended without the run state's record; ignored", reason=event.reason[:200]
+                        )
+                        continue
                     log.info("run ended", reason=event.reason, policy_version=event.policy_version)
                     break
             tg.cancel_scope.cancel()

@@ -6,8 +6,13 @@ trainer --trainer.step / rollout.failed--> controller.
 Rank 0 talks to the bus; with ``trainer.num_ranks > 1`` (torchrun) the other ranks only
 compute (``Learner.follow``). Each step at trainer version ``t``:
 
+0. check each received group at the boundary (docs/design.md section 8): its task id, kind,
+   epoch, index and attempt must match the controller's ``issued.<task_id>`` record in the run
+   state, else it is dead-lettered and never re-issued; its numbers must be finite and its arrays
+   aligned, else it is dead-lettered and reported ``error`` so the prompt is re-issued. A group
+   of a task a committed step already trained is acked and reported ``duplicate``;
 1. keep received groups oldest-first (by head_version, then arrival); apply the guard
-   ``t - eta <= head_version <= t``: a group outside the window is not trained, it is
+   ``t - max_staleness <= head_version <= t``: a group outside the window is not trained, it is
    published as ``rollout.failed`` (``stale``/``future``) and acked so the controller
    re-issues its prompt; with dynamic sampling a group whose rewards are all equal is
    ``filtered``;
@@ -15,7 +20,7 @@ compute (``Learner.follow``). Each step at trainer version ``t``:
 3. save ``weights/v<t+1>/`` and publish ``weights.published`` (path + manifest);
 4. publish ``trainer.step`` (task ids, head versions, metrics) and append ``metrics.jsonl``.
 
-Lossless resume (DESIGN section 8): trained groups stay unacknowledged until the next
+Lossless resume (docs/design.md section 8): trained groups stay unacknowledged until the next
 checkpoint commits (every ``checkpoint.every_steps`` and at the end); only then are they
 acked. A trainer killed between checkpoints restarts from the last one: the groups of the
 lost steps are redelivered and trained again (or recycled by the guard), the controller
@@ -27,6 +32,7 @@ Run alone: areal-worker --role trainer --config configs/arith_cpu.yaml
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -34,10 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import structlog
 
 from areal_async.algo.advantages import dynamic_sampling_keep
-from areal_async.algo.staleness import guard
+from areal_async.algo.staleness import StalenessStats, guard
 from areal_async.config import RunConfig
 from bus.events import (
     RolloutFailed,
@@ -47,15 +54,11 @@ from bus.events import (
     WeightsPublished,
     unpack_f32,
     unpack_i32,
+    unpack_u8,
 )
-from workers.common import (
-    WEIGHTS_PUBLISHED_KEY,
-    append_jsonl,
-    pack_record,
-    resolve_model_path,
-    unpack_record,
-    weights_dir,
-)
+from bus.state import WEIGHTS_PUBLISHED, RunState, StateRecordError
+from bus.subjects import Streams
+from workers.common import append_jsonl, resolve_model_path, settle_or_dead_letter, weights_dir
 from workers.runtime import WorkerContext, io_thread_affinity
 
 log = structlog.get_logger()
@@ -82,6 +85,11 @@ def to_sample(scored: ScoredGroup) -> Any:
     from areal_async.learner import GroupSample
 
     g = scored.group
+    masks = None
+    if any(c.loss_mask for c in g.completions):
+        masks = [
+            unpack_u8(c.loss_mask).tolist() if c.loss_mask else [1] * c.num_tokens for c in g.completions
+        ]
     return GroupSample(
         task_id=g.task_id,
         prompt_ids=unpack_i32(g.prompt_ids, "prompt_ids").tolist(),
@@ -90,7 +98,43 @@ def to_sample(scored: ScoredGroup) -> Any:
         rewards=list(scored.rewards),
         finish_reasons=[c.finish_reason for c in g.completions],
         head_version=g.head_version,
+        loss_masks=masks,
     )
+
+
+class Unfit(ValueError):
+    """A scored group that must not be trained (dead-lettered with this reason)."""
+
+
+def check_content(scored: ScoredGroup) -> None:
+    """Unfit unless every number is finite, loss masks align, some token is trained and the group's
+    head_version is the oldest version among its trained tokens (then re-issued).
+
+    Versions may go down within an episode: its later turns can come from a generation worker that
+    has not loaded the newest weights yet; the head version covers that.
+    """
+    g = scored.group
+    if not g.completions:
+        raise Unfit("the group has no completions")
+    if not all(math.isfinite(r) for r in scored.rewards):
+        raise Unfit(f"non-finite reward(s) {[r for r in scored.rewards if not math.isfinite(r)][:4]}")
+    oldest: list[int] = []
+    for i, c in enumerate(g.completions):
+        if c.loss_mask and len(c.loss_mask) != c.num_tokens:
+            raise Unfit(f"completion {i} has {len(c.loss_mask)} loss mask entries for {c.num_tokens} tokens")
+        logprobs = unpack_f32(c.logprobs, "logprobs")
+        versions = unpack_i32(c.versions, "versions")
+        if not np.isfinite(logprobs).all():
+            raise Unfit(f"completion {i} has non-finite logprobs")
+        trained = versions[unpack_u8(c.loss_mask) == 1] if c.loss_mask else versions
+        if len(trained) and trained.min() < 0:
+            raise Unfit(f"completion {i} has negative token versions")
+        if len(trained):
+            oldest.append(int(trained.min()))
+    if not oldest:
+        raise Unfit("no completion has a token to train (all empty or masked out)")
+    if g.head_version != min(oldest):
+        raise Unfit(f"head_version {g.head_version} is not the oldest trained-token version {min(oldest)}")
 
 
 class RunOver(Exception):
@@ -102,6 +146,7 @@ class Trainer:
         self.ctx = ctx
         self.cfg: RunConfig = ctx.cfg
         self.bus = ctx.bus
+        self.run_state = RunState(ctx.bus)
         self.learner = learner
         self.pending: dict[str, Held] = {}
         self.uncommitted: dict[str, Held] = {}
@@ -121,19 +166,41 @@ class Trainer:
     # ---- intake -------------------------------------------------------------------------------
 
     async def receive(self) -> None:
-        async for d in self.bus.consume("SCORED", batch=64):
-            scored = d.event
-            assert isinstance(scored, ScoredGroup)
-            task_id = scored.group.task_id
-            if task_id in self.trained_ids:
-                await d.ack()  # a redelivery of a group a committed step already trained
-                continue
-            held = Held(scored, d, time.monotonic())
-            if task_id in self.uncommitted:
-                self.uncommitted[task_id] = held  # newer delivery handle of a trained group
-                continue
-            self.pending[task_id] = held
-            self.arrived.set()
+        async for d in self.bus.consume(Streams.SCORED, batch=64):
+            await settle_or_dead_letter(d, lambda ev, d=d: self.intake(ev, d), what="rollout.scored")
+
+    async def intake(self, scored: Any, delivery: Any) -> None:
+        """Hold a received group for training, or settle it now (duplicate, unissued, unfit)."""
+        if not isinstance(scored, ScoredGroup):
+            raise Unfit(f"expected a ScoredGroup, got {type(scored).__name__}")
+        g = scored.group
+        task_id = g.task_id
+        if task_id in self.trained_ids:
+            # A redelivery of a group a committed step already trained, or a re-issue of one.
+            await self.fail(Held(scored, delivery, 0.0), "duplicate", "a committed step already trained it")
+            return
+        issued = await self.run_state.issued(task_id)
+        problem = (
+            "the controller never issued it"
+            if issued is None
+            else issued.mismatch(
+                task_id=task_id, kind=g.kind, epoch=g.epoch, index=g.index, attempt=g.attempt
+            )
+        )
+        if problem or g.kind != "train":
+            raise Unfit(f"not trainable: {problem or 'an eval task'}")
+        held = Held(scored, delivery, time.monotonic())
+        try:
+            check_content(scored)
+        except Unfit as exc:
+            await self.fail(held, "error", str(exc), ack=False)
+            await delivery.dead_letter(f"rollout.scored rejected: {exc}")
+            return
+        if task_id in self.uncommitted:
+            self.uncommitted[task_id] = held  # newer delivery handle of a trained group
+            return
+        self.pending[task_id] = held
+        self.arrived.set()
 
     async def keep_alive(self) -> None:
         """Held messages must not hit ack_wait: tell the server we are still working on them."""
@@ -146,7 +213,7 @@ class Trainer:
                 except Exception as exc:
                     log.warning("in_progress failed", task_id=held.task_id, error=str(exc))
 
-    async def fail(self, held: Held, reason: str, detail: str) -> None:
+    async def fail(self, held: Held, reason: str, detail: str, *, ack: bool = True) -> None:
         g = held.scored.group
         await self.bus.publish(
             self.bus.subjects.rollout_failed,
@@ -161,15 +228,19 @@ class Trainer:
                 head_version=g.head_version,
                 trainer_version=self.version,
             ),
-            msg_id=f"{g.task_id}:{g.attempt}:failed",
+            msg_id=f"{g.task_id}:{g.attempt}:{reason}",
         )
-        await held.delivery.ack()
-        self.pending.pop(g.task_id, None)
+        if ack:
+            await held.delivery.ack()
+        if self.pending.get(g.task_id) is held:
+            del self.pending[g.task_id]
 
     def verdict(self, held: Held) -> tuple[str, str]:
         """("ok", "") if ``held`` may be trained now, else (reason, detail) for rollout.failed."""
         verdict = guard(
-            head_version=held.head_version, trainer_version=self.version, eta=self.cfg.rollout.max_staleness
+            head_version=held.head_version,
+            trainer_version=self.version,
+            max_staleness=self.cfg.rollout.max_staleness,
         )
         if verdict != "ok":
             return verdict, f"head_version {held.head_version} at trainer version {self.version}"
@@ -225,7 +296,7 @@ class Trainer:
             self.pending.pop(held.task_id, None)
             self.uncommitted[held.task_id] = held
         heads = [h.head_version for h in batch]
-        staleness = [version - 1 - h for h in heads]
+        staleness = StalenessStats.of(trainer_version=version - 1, head_versions=heads)
         step_s = wait_s + compute_s + save_s
         metrics.update(
             wait_s=wait_s,
@@ -233,8 +304,8 @@ class Trainer:
             save_s=save_s,
             weights_write_s=self.last_write_s,
             step_s=step_s,
-            staleness_mean=sum(staleness) / len(staleness),
-            staleness_max=float(max(staleness)),
+            staleness_mean=staleness.mean,
+            staleness_max=float(staleness.max),
             trained_tokens_per_s=metrics.get("loss_tokens", 0.0) / step_s if step_s > 0 else 0.0,
             bus_s=self.bus_seconds(),
         )
@@ -290,11 +361,9 @@ class Trainer:
     ) -> None:
         entries = [TensorEntry(**m) for m in manifest]
         total = (Path(path) / "model.safetensors").stat().st_size
-        # The state key first: it is never older than an event a reader has seen (state_records).
-        await self.bus.kv_put(
-            "state", WEIGHTS_PUBLISHED_KEY, pack_record(policy_version=version, path=str(path))
-        )
-        await self.bus.publish(
+        await self.run_state.record_then_publish(
+            WEIGHTS_PUBLISHED,
+            {"policy_version": version, "path": str(path)},
             self.bus.subjects.weights_published,
             WeightsPublished(
                 policy_version=version, path=str(path), manifest=entries, total_bytes=total, seconds=seconds
@@ -369,8 +438,13 @@ async def serve(ctx: WorkerContext) -> None:
     trained_ids = await anyio.to_thread.run_sync(_restore, cfg, learner)
     trainer = Trainer(ctx, learner, trained_ids=trained_ids)
     ctx.policy_version = learner.version
-    published = unpack_record(await ctx.bus.kv_get("state", WEIGHTS_PUBLISHED_KEY))
-    if published is not None and int(published["policy_version"]) != learner.version:
+    try:
+        published = await trainer.run_state.weights(WEIGHTS_PUBLISHED)
+        behind = published is not None and published.policy_version != learner.version
+    except StateRecordError as exc:
+        log.error("weights.published record unusable; publishing ours", error=str(exc))
+        behind = True
+    if behind:
         # Restarted behind what engines serve (the lost future): bring them back to our version.
         path = weights_dir(cfg, learner.version)
         manifest = await anyio.to_thread.run_sync(learner.save_weights, path)

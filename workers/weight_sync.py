@@ -3,7 +3,7 @@
 Data flow: trainer --weights.published--> weight-sync --weights.load--> generation
 --weights.loaded--> weight-sync --weights.served (+ KV)--> controller.
 
-Protocol (DESIGN section 6): on a newer published version, tell every live engine that
+Protocol (docs/design.md section 7): on a newer published version, tell every live engine that
 serves an older one to load it, wait until each live engine reports it (an engine whose
 heartbeat expires is dropped from the wait; one that joins later is told too), then
 publish ``weights.served`` and record it in the KV key the controller and joining
@@ -26,15 +26,8 @@ import anyio
 import structlog
 
 from bus.events import Heartbeat, WeightsLoad, WeightsLoaded, WeightsPublished, WeightsServed
-from workers.common import (
-    WEIGHTS_PUBLISHED_KEY,
-    WEIGHTS_SERVED_KEY,
-    checked_weights_path,
-    pack_record,
-    state_records,
-    unpack_record,
-    weights_root,
-)
+from bus.state import WEIGHTS_PUBLISHED, WEIGHTS_SERVED, RunState, StateRecordError, WeightsVersion
+from workers.common import checked_weights_path, weights_root
 from workers.runtime import WorkerContext
 
 log = structlog.get_logger()
@@ -52,6 +45,7 @@ class WeightSync:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.bus = ctx.bus
+        self.run_state = RunState(ctx.bus)
         self.engines: dict[str, EngineState] = {}
         self.target: tuple[int, str] | None = None
         self.served = -1
@@ -66,12 +60,13 @@ class WeightSync:
         return {k: e for k, e in self.engines.items() if now - e.seen_at <= ttl}
 
     async def watch_published(self) -> None:
-        raw = unpack_record(await self.bus.kv_get("state", WEIGHTS_PUBLISHED_KEY))
-        if raw:
-            self._publish_seen(int(raw["policy_version"]), str(raw["path"]))
-        served = unpack_record(await self.bus.kv_get("state", WEIGHTS_SERVED_KEY))
+        try:
+            served = await self.run_state.weights(WEIGHTS_SERVED)
+        except StateRecordError as exc:
+            log.error("weights.served record unusable; re-serving the published version", error=str(exc))
+            served = None
         if served:
-            self.served = int(served["policy_version"])
+            self.served = served.policy_version
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._published_from_state)
             async for ev in self.bus.subscribe(self.bus.subjects.weights_published):
@@ -82,13 +77,20 @@ class WeightSync:
     async def _published_from_state(self) -> None:
         """A ``weights.published`` lost in a disconnect would leave the engines on old weights and
         the run waiting: the state key (written before the event) is re-read every heartbeat interval."""
-        every = self.cfg.bus.heartbeat_interval_s
-        async for raw in state_records(self.bus, WEIGHTS_PUBLISHED_KEY, every):
-            if raw and (self.target is None or int(raw["policy_version"]) != self.target[0]):
-                self._publish_seen(int(raw["policy_version"]), str(raw["path"]))
+        async for raw in self.run_state.latest(WEIGHTS_PUBLISHED, self.cfg.bus.heartbeat_interval_s):
+            try:
+                record = None if raw is None else WeightsVersion.parse(raw)
+            except StateRecordError as exc:
+                log.error("weights.published record unusable; ignored", error=str(exc))
+                continue
+            if record is not None:
+                self._publish_seen(record.policy_version, record.path)
 
     def _publish_seen(self, version: int, path: str) -> None:
         # A trainer restored from an older checkpoint publishes an older version: follow it.
+        if version < 0:
+            log.error("ignoring weights.published with a negative version", policy_version=version)
+            return
         if self.target is None or version != self.target[0]:
             self.target = (version, path)
             log.info("weights published", policy_version=version, path=path)
@@ -110,7 +112,12 @@ class WeightSync:
         async for ev in self.bus.subscribe(self.bus.subjects.weights_loaded):
             if not isinstance(ev, WeightsLoaded):
                 continue
-            state = self.engines.setdefault(ev.engine_id, EngineState(-1, time.monotonic()))
+            state = self.engines.get(ev.engine_id)
+            if state is None:  # engines announce themselves by heartbeat first
+                log.warning(
+                    "weights.loaded from an engine without a heartbeat; ignored", engine_id=ev.engine_id
+                )
+                continue
             state.seen_at = time.monotonic()
             if ev.ok:
                 state.version = ev.policy_version
@@ -178,9 +185,9 @@ class WeightSync:
         engines = sorted(k for k, e in self.live_engines().items() if e.version == version)
         self.served = version
         self.ctx.policy_version = version
-        # The state key first: it is never older than an event a reader has seen (state_records).
-        await self.bus.kv_put("state", WEIGHTS_SERVED_KEY, pack_record(policy_version=version, path=path))
-        await self.bus.publish(
+        await self.run_state.record_then_publish(
+            WEIGHTS_SERVED,
+            {"policy_version": version, "path": path},
             self.bus.subjects.weights_served,
             WeightsServed(policy_version=version, engine_ids=engines, seconds=timings),
             policy_version=version,

@@ -1,45 +1,27 @@
 """Named loss recipes: ``trainer.loss.preset`` -> values of the ``LossConfig`` fields.
 
-``LOSS_FIELDS`` lists every loss field with its default (the ``ppo_decoupled`` recipe); ``config.py``
-checks that ``LossConfig`` agrees with it. Every entry of ``PRESETS`` is complete: it sets every field
-of ``LOSS_FIELDS`` except ``preset`` itself, so a recipe does not depend on the dataclass defaults.
-``config.py`` applies the preset first and the run file's own keys over it.
+``LOSS_FIELDS`` lists every field of ``config.LossConfig`` with its default (the ``ppo_decoupled``
+recipe), read from the dataclass: the defaults live only there. Every entry of ``PRESETS`` is complete:
+it sets every field of ``LOSS_FIELDS`` except ``preset`` itself. ``config.py`` applies the preset first
+and the run file's own keys over it.
 
 The behaviour weight pi_prox / pi_behave (with its cap) is applied whenever ``decoupled`` is on. Recipes
 named after a synchronous paper keep that paper's advantage and aggregation choices; all but ``grpo``
 keep the decoupled objective, since the paper's version of it (ratio against pi_behave) degrades with
 staleness (AReaL Table 2).
 
-Torch-free: imported by ``config.py``.
+Torch-free. ``config.py`` imports this module only when it applies a preset, so reading
+``LossConfig`` here makes no import cycle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 
-LOSS_FIELDS: dict[str, object] = {
-    "preset": "ppo_decoupled",
-    "eps_clip_low": 0.2,
-    "eps_clip_high": 0.2,
-    "dual_clip": None,
-    "decoupled": True,
-    "behave_cap": 5.0,
-    "behave_cap_mode": "mask",
-    "ratio_level": "token",
-    "loss_agg": "token_mean",
-    "reward_bias": 0.0,
-    "reward_scale": 1.0,
-    "reward_clip": None,
-    "group_baseline": "mean",
-    "group_std": True,
-    "batch_adv_norm": True,
-    "kl_coef": 0.0,
-    "kl_estimator": "k1",
-    "kl_in_reward": False,
-    "overlong_buffer": 0,
-    "overlong_penalty": 1.0,
-    "dynamic_sampling": False,
-}
+from areal_async.config import LossConfig
+
+LOSS_FIELDS: dict[str, object] = {f.name: f.default for f in dataclasses.fields(LossConfig)}
 """Every LossConfig field name with its default value."""
 
 _BASE: dict[str, object] = {k: v for k, v in LOSS_FIELDS.items() if k != "preset"}

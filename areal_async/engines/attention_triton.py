@@ -15,7 +15,7 @@ int32 sequence bounds `cu_seqlens [S + 1]`, in one program per (block of rows, s
   and recomputes the probabilities. No atomics: every output element has one writer.
 
 Launch shapes (`CONFIG`) were chosen on an H200 for head sizes 64 and 128 by sweeping
-(`scripts/bench_attention.py --sweep`). There, against FlashAttention-2 varlen on one packed row of
+(`python -m benchmarks.bench_attention --sweep`). There, against FlashAttention-2 varlen on one packed row of
 51,200 tokens in sequences of 1,152-2,048: 14 q / 2 kv heads of 64, 0.63 / 2.04 ms forward /
 backward vs 1.02 / 2.18; 28 q / 4 kv heads of 128, 1.87 / 6.28 ms vs 2.43 / 7.26.
 `varlen_attention(q, k, v, cu_seqlens, max_length, scale)` is the entry point: a torch custom

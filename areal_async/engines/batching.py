@@ -3,16 +3,19 @@
 A `TrainSequence` is one completion of one prompt with everything the loss needs per
 completion token: the behaviour logprobs from the inference engine (pi_behave), the
 advantages, optionally pi_prox (the trainer's no-grad logprobs at the start of the step),
-reference-model logprobs and a loss weight.
+reference-model logprobs, a loss weight and a loss mask. The loss mask marks the trained
+tokens of a multi-turn completion (the model's own); the others (tool, user, environment
+output) are context only: the model reads them, the loss and its counts do not.
 
 Layout of a collated micro-batch (`collate`): one sequence per row, right-padded to the
 longest row, every per-token tensor `[b, T]` aligned with `input_ids`. Column `t` of a
 per-token tensor belongs to token `input_ids[:, t]`: its logprob is
 `log p(input_ids[t] | input_ids[:t])`, read from the logits at position `t - 1`. So the
 first completion token of a row sits at column `len(prompt_ids)`, and `mask` is True
-exactly on the completion tokens (never on prompt or padding). Values outside `mask` are
-zero. Position ids are `0..T-1` on every row; right padding plus causal attention means a
-real token never attends to padding, so the engine needs no attention mask.
+exactly on the trained completion tokens (every completion token without a loss mask; never
+on prompt or padding). Per-token values outside the completion tokens are zero. Position ids
+are `0..T-1` on every row; right padding plus causal attention means a real token never
+attends to padding, so the engine needs no attention mask.
 
 Per-token fields accept lists, numpy arrays or 1-D tensors; arrays and tensors are
 copied into the batch without a Python loop, so prefer them for long completions.
@@ -42,7 +45,7 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-_PER_TOKEN = ("behave_logprobs", "advantages", "prox_logprobs", "ref_logprobs", "loss_weights")
+_PER_TOKEN = ("behave_logprobs", "advantages", "prox_logprobs", "ref_logprobs", "loss_weights", "loss_mask")
 
 
 @dataclass(kw_only=True)
@@ -71,6 +74,9 @@ class TrainSequence:
     loss_weights: Sequence[float] | None = None
     """Per-token loss weight (None: 1.0 on every completion token)."""
 
+    loss_mask: Sequence[bool] | None = None
+    """True on the trained completion tokens (None: every completion token is trained)."""
+
     def __post_init__(self) -> None:
         if len(self.prompt_ids) < 1:
             raise ValueError(
@@ -92,8 +98,15 @@ class TrainSequence:
 
     @property
     def num_completion_tokens(self) -> int:
-        """C: tokens that carry a loss."""
+        """C: tokens after the prompt, trained or not."""
         return len(self.completion_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Completion tokens that carry a loss (the loss mask's True entries)."""
+        if self.loss_mask is None:
+            return len(self.completion_ids)
+        return int(torch.as_tensor(self.loss_mask, dtype=torch.bool).sum())
 
 
 def pack_lengths(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -157,7 +170,7 @@ def collate(seqs: Sequence[TrainSequence], *, pad_token_id: int = 0) -> dict[str
         if c == 0:
             continue
         input_ids[row, p : p + c] = torch.as_tensor(s.completion_ids, dtype=torch.long)
-        mask[row, p : p + c] = True
+        mask[row, p : p + c] = True if s.loss_mask is None else torch.as_tensor(s.loss_mask, dtype=torch.bool)
         values = {
             "behave_logprobs": s.behave_logprobs,
             "prox_logprobs": s.prox_logprobs if s.prox_logprobs is not None else s.behave_logprobs,

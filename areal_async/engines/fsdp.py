@@ -11,13 +11,14 @@ Data contract. The caller scatters the batch: each rank passes its own shard of
 collectives. Ranks may hold different numbers of sequences (also none); the engine pads
 with empty micro-batches so all ranks run the same number of forward/backward passes.
 
-Loss contract (docs/CONTRACTS.md). `train_step(seqs, loss_fn)` packs each rank's shard
+Loss contract (docs/design.md section 9). `train_step(seqs, loss_fn)` packs each rank's shard
 into micro-batches by token budget and calls `loss_fn(mb) -> (loss, stats)` once
 per micro-batch. `mb` holds the `[b, T]` tensors of `batching.collate` (input_ids, mask,
 behave_logprobs, prox_logprobs, advantages, loss_weights, ref_logprobs?) plus
 `logprobs` (pi_theta, float32, with grad), `entropy` (float32, no grad) and the 0-d
 tensor `global_tokens`: the loss denominator of the whole step over all ranks (argument
-of `train_step`; by default the completion tokens of all ranks, all-reduced). `loss` must
+of `train_step`; by default the trained completion tokens of all ranks, all-reduced: those
+under `mask`, which leaves out tokens a loss mask excludes). `loss` must
 already be divided by it, so that summing the micro-batch losses of all ranks gives the
 step loss; gradients are summed across ranks the same way (FSDP averaging is off).
 Stats are summed over micro-batches and ranks, except keys ending in `_max` (maximum).
@@ -66,7 +67,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from areal_async.checkpoint import fsync_tree, replace_dir
 from areal_async.engines import logprobs, varlen
 from areal_async.engines.batching import (
     ModelInputs,
@@ -77,6 +77,7 @@ from areal_async.engines.batching import (
     pack_tokens,
     to_device,
 )
+from areal_async.files import fsync_tree, replace_dir
 from areal_async.weights_file import write_safetensors
 
 log = structlog.get_logger(__name__)
@@ -503,7 +504,7 @@ class FSDPTrainEngine:
         """One optimizer step on this rank's shard `seqs`; returns metrics reduced over ranks.
 
         `global_tokens` is the loss denominator of the whole step, handed to `loss_fn` as
-        `mb["global_tokens"]`; None means the completion tokens of all ranks (token mean).
+        `mb["global_tokens"]`; None means the trained completion tokens of all ranks (token mean).
         Pass the global sequence count (etc.) for sequence-mean aggregations.
 
         `compute_prox`: first compute pi_prox with a no-grad forward of every micro-batch (what
@@ -513,8 +514,8 @@ class FSDPTrainEngine:
         start of the step to the end of that pass, slowest rank; part of compute_seconds).
 
         Metrics: loss (sum over micro-batches and ranks), grad_norm (global, before
-        clipping), lr (used by this step), entropy (mean over completion tokens),
-        loss_tokens (completion tokens), total_tokens (non-pad tokens), tokens_per_s
+        clipping), lr (used by this step), entropy (mean over trained completion tokens),
+        loss_tokens (trained completion tokens), total_tokens (non-pad tokens), tokens_per_s
         (total_tokens / compute_seconds), compute_seconds (slowest rank), micro_batches,
         skipped (1 when the gradient norm was not finite and the update was dropped), and
         every key of loss_fn's stats, summed over micro-batches and ranks (keys ending in
@@ -524,7 +525,7 @@ class FSDPTrainEngine:
         self._sync()
         start = time.perf_counter()
         clock = _StepClock(self.device)
-        local_loss_tokens = sum(s.num_completion_tokens for s in seqs)
+        local_loss_tokens = sum(s.num_loss_tokens for s in seqs)
         local_tokens = sum(s.length for s in seqs)
         if global_tokens is None:
             global_tokens = self._all_reduce([float(local_loss_tokens)])[0]

@@ -26,7 +26,7 @@ from areal_async.engines.triton_support import tl, triton
 
 FORWARD_BLOCK = 2048
 """Vocabulary entries one forward program reads per loop iteration (H200, 42k x 152k bf16 logits:
-2048 x 4 warps and 4096 x 16 warps 5.5 ms, 4096 x 8 6.4 ms, 8192 x 8 8.7 ms; scripts/bench_logprob.py)."""
+2048 x 4 warps and 4096 x 16 warps 5.5 ms, 4096 x 8 6.4 ms, 8192 x 8 8.7 ms; benchmarks/bench_logprob.py)."""
 
 FORWARD_WARPS = 4
 """Warps per forward program (one program per row)."""

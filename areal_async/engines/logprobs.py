@@ -26,7 +26,7 @@ from torch import nn
 from areal_async.engines import logprob_triton, triton_support
 
 ENTROPY_ROWS = 1024
-"""Rows per block when the torch forms compute the entropy (bounds a float32 [rows, vocab] temporary)."""
+"""Rows per block when the torch forms compute the entropy (bounds their float32 [rows, vocab] temporaries)."""
 
 LogprobFn = Callable[[torch.Tensor, torch.Tensor, nn.Module, float, bool], tuple[torch.Tensor, torch.Tensor]]
 
@@ -42,15 +42,16 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 logprob of each target and the entropy (no grad; zeros unless `with_entropy`) of each row.
 
-    Eager form: one fused log-softmax (its backward needs no extra [rows, vocab] temporary).
+    Eager form: one fused log-softmax (its backward needs no extra [rows, vocab] temporary). Only
+    the log-softmax (kept for backward) outlives this call's first lines: the float32 logits go
+    once it exists, and the entropy takes one `[ENTROPY_ROWS, vocab]` block at a time.
     """
-    logits = scale_logits(head(hidden_NH), temperature)
-    logp_all = torch.log_softmax(logits, dim=-1)
+    logp_all = torch.log_softmax(scale_logits(head(hidden_NH), temperature), dim=-1)
     logprobs = logp_all.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logprobs, torch.zeros_like(logprobs)
-    with torch.no_grad():  # row blocks: no second [rows, vocab] float32 temporary
-        entropy = torch.cat([-(block.exp() * block).sum(-1) for block in logp_all.split(ENTROPY_ROWS)])
+    with torch.no_grad():
+        entropy = torch.cat([-block.exp().mul_(block).sum(-1) for block in logp_all.split(ENTROPY_ROWS)])
     return logprobs, entropy
 
 
@@ -96,15 +97,12 @@ def token_logprobs_lse(
     logprobs, lse_N = TargetLogprob.apply(logits, targets_N, temperature)
     if not with_entropy:
         return logprobs, torch.zeros_like(logprobs)
-    with torch.no_grad():
-        scaled = scale_logits(logits.detach(), temperature)
-        entropy = torch.cat(
-            [
-                lse - (torch.softmax(block, dim=-1) * block).sum(-1)
-                for block, lse in zip(scaled.split(ENTROPY_ROWS), lse_N.split(ENTROPY_ROWS), strict=True)
-            ]
-        )
-    return logprobs, entropy
+    parts = []
+    with torch.no_grad():  # scaled in row blocks: no float32 copy of all the logits
+        for block, lse in zip(logits.detach().split(ENTROPY_ROWS), lse_N.split(ENTROPY_ROWS), strict=True):
+            scaled = scale_logits(block, temperature)
+            parts.append(lse - torch.softmax(scaled, dim=-1).mul_(scaled).sum(-1))
+    return logprobs, torch.cat(parts)
 
 
 def fused_token_logprobs(

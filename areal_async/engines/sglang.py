@@ -1,8 +1,8 @@
 """SGLangEngine: the InferenceEngine contract on one or more SGLang servers' native API (HTTP only).
 
-Routing, interruption (abort-and-continue), dead-server retries: engines/http_common.py. What this
+Routing, interruption (abort-and-continue), dead-server retries: engines/remote/. What this
 module adds is how to talk to SGLang (shapes from sgl-project/sglang's own source, cited in
-docs/engines.md; tested here against tests/fake_sglang.py only, since SGLang has no CPU wheel):
+docs/engines.md; tested here against tests/helpers/fake_sglang.py only, since SGLang has no CPU wheel):
 
 - Generation: `POST /generate` with `input_ids`, `sampling_params` (max_new_tokens, temperature,
   top_p, top_k (-1 = off), min_p 0, our `stop_token_ids`, `ignore_eos: true`, `no_stop_trim: true`,
@@ -34,23 +34,21 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from areal_async.engines.base import GenerationRequest
-from areal_async.engines.http_common import (
+from areal_async.engines.remote import (
+    Attempt,
     Piece,
     RemoteEngine,
     RemoteRequestError,
     Server,
     ServerUnavailable,
-    continuation_seed,
     finite_logprob,
-    iter_sse_json,
-    raise_for_status,
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class SGLangEngine(RemoteEngine):
-    """Client of SGLang servers; see the module docstring and engines/http_common.py."""
+    """Client of SGLang servers; see the module docstring and engines/remote/."""
 
     kind = "sglang"
 
@@ -83,13 +81,13 @@ class SGLangEngine(RemoteEngine):
         server.info = {"model_path": info.get("model_path"), "weight_version": info.get("weight_version")}
 
     async def _stream(
-        self, server: Server, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int
+        self, server: Server, request: GenerationRequest, attempt: Attempt
     ) -> AsyncIterator[Piece]:
         sampling = request.sampling
         greedy = sampling.temperature == 0
         top_k = 0 if greedy else sampling.top_k
         params: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
+            "max_new_tokens": attempt.max_new_tokens,
             "temperature": float(sampling.temperature),
             "top_p": 1.0,
             "top_k": top_k if top_k > 0 else -1,
@@ -99,14 +97,13 @@ class SGLangEngine(RemoteEngine):
             "no_stop_trim": True,
             "skip_special_tokens": False,
         }
-        seed = continuation_seed(sampling.seed, len(prompt_ids) - len(request.prompt_ids))
-        if seed is not None:
-            params["sampling_seed"] = seed
+        if attempt.seed is not None:
+            params["sampling_seed"] = attempt.seed
         if self.stream_interval is not None:
             params["stream_interval"] = self.stream_interval
         payload: dict[str, Any] = {
             "rid": f"{self.engine_id}-{uuid.uuid4().hex}",
-            "input_ids": prompt_ids,
+            "input_ids": attempt.prompt_ids,
             "sampling_params": params,
             "return_logprob": True,
             "logprob_start_len": -1,
@@ -116,9 +113,8 @@ class SGLangEngine(RemoteEngine):
             payload["top_logprobs_num"] = top_k
         what = f"POST {server.url}/generate"
         received = 0
-        async with self.client.stream("POST", f"{server.url}/generate", json=payload) as response:
-            await raise_for_status(response, what)
-            async for event in iter_sse_json(response):
+        async with self._post_events(server, "/generate", payload) as events:
+            async for event in events:
                 piece, received = _piece(event, received, top_k, what)
                 yield piece
 

@@ -1,8 +1,9 @@
-"""Attention over packed rows: several sequences in one row, each attending causally to itself only.
+"""Attention plug-ins registered in transformers' `AttentionInterface`: packed rows, packed GQA decode.
 
-The training engine can pack a micro-batch into one row `[1, N]` without padding, with
-position ids that restart at 0 for every sequence, and call the decoder with the keyword
-arguments transformers hands down to the attention function of every layer:
+Packed rows: several sequences in one row, each attending causally to itself only. The training
+engine can pack a micro-batch into one row `[1, N]` without padding, with position ids that
+restart at 0 for every sequence, and call the decoder with the keyword arguments transformers
+hands down to the attention function of every layer:
 `cu_seq_lens_q` / `cu_seq_lens_k` (int32 `[S + 1]`: 0, the end of each sequence in the row)
 and `max_length_q` / `max_length_k` (the longest sequence).
 
@@ -13,6 +14,11 @@ per CUDA kernel (`ATTN_IMPLEMENTATIONS`): `areal_packed` runs `torch.nn.attentio
 (CPU, float32) either runs causal SDPA on each sequence in turn: exact, one call per sequence.
 Under autocast q, k and v are cast to the autocast dtype first, as SDPA would. No mask function
 is registered under the names, so transformers builds no attention mask for them.
+
+Packed GQA decode: `packed_gqa_sdpa`, registered as `PACKED_GQA_SDPA` with transformers' sdpa
+mask, is what the local engine's "slots" KV layout gives a grouped-query sdpa model. A one-token
+query runs with its query heads grouped under their K/V head, so the K/V heads are never repeated
+per query head; every other call goes to transformers' sdpa unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from areal_async.engines import attention_triton, triton_support
 
@@ -160,3 +168,50 @@ def _sdpa_per_sequence(
 _VARLEN_KWARGS = _varlen_kwargs()  # resolved once, outside any torch.compile'd layer
 for _kernel, _name in ATTN_IMPLEMENTATIONS.items():
     AttentionInterface.register(_name, functools.partial(packed_attention_forward, kernel=_kernel))
+
+
+PACKED_GQA_SDPA = "areal_packed_gqa_sdpa"
+"""Attention implementation name a slots engine gives a GQA model that uses sdpa."""
+
+
+def packed_gqa_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """sdpa attention; a one-token query of a GQA layer runs on the K/V heads without repeating them.
+
+    Query head h attends with K/V head h // groups (transformers' `repeat_kv` order), so the query
+    [B, heads, 1, D] is viewed as [B, kv_heads, groups, D]: each K/V head answers its `groups` query
+    heads as a `groups`-long query, and the mask [B, 1, 1, span] broadcasts over them. Anything else
+    (prefill, no GQA, extra options) goes to transformers' sdpa unchanged.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_length, dim = query.shape
+    if q_length != 1 or groups == 1 or dropout or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    grouped = query.reshape(batch, heads // groups, groups, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=attention_mask, scale=scaling
+    )
+    return out.reshape(batch, 1, heads, dim), None
+
+
+AttentionInterface.register(PACKED_GQA_SDPA, packed_gqa_sdpa)
+AttentionMaskInterface.register(PACKED_GQA_SDPA, sdpa_mask)

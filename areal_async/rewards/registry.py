@@ -18,14 +18,13 @@ finite number (``run_reward`` + ``as_reward``, the two steps each pool worker ru
 from __future__ import annotations
 
 import asyncio
-import difflib
-import importlib
 import inspect
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from areal_async.errors import AreaLError
+from areal_async.imports import check_import_path, import_object
 
 RewardFn = Callable[[str, dict[str, Any]], float | Awaitable[float]]
 
@@ -45,36 +44,13 @@ def reward_import_path(spec: str) -> str:
     """``package.module:function`` for a built-in name or a custom spec (checked for shape only)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise RewardSpecError(
-            f"unknown reward {spec!r}{hint} (built-ins: {', '.join(BUILTIN_REWARDS)};"
-            " a custom reward is 'package.module:function')"
-        )
-    return spec
+    return check_import_path(spec, what="reward", builtins=BUILTIN_REWARDS, error=RewardSpecError)
 
 
 def resolve_reward(spec: str) -> RewardFn:
     """Import the reward function named by ``spec`` (a built-in name or ``package.module:function``)."""
     path = reward_import_path(spec)
-    module_name, _, attr_path = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise RewardSpecError(
-            f"reward {spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e});"
-            " check the spelling and that it is on PYTHONPATH of every reward worker"
-        ) from e
-    target: Any = module
-    for part in attr_path.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError as e:
-            raise RewardSpecError(
-                f"reward {spec!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from e
+    target = import_object(spec, path, what="reward", where="reward worker", error=RewardSpecError)
     if not callable(target):
         raise RewardSpecError(
             f"reward {spec!r} is not callable (it is {type(target).__name__});"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_async.models import build_tiny_model
+from tests.helpers.models import build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +24,18 @@ def tiny_sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     torch.set_num_threads(2)
     return warm_start_mode_select(tmp_path_factory.mktemp("tiny-sft") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model warm-started on mode_select in the chat format that agent workflows render."""
+    import torch
+
+    from tests.e2e.tiny_task import warm_start_mode_select
+
+    torch.set_num_threads(2)
+    # Chat prompts are ~4x longer than raw ones; 900 steps of 64 reach the two-mode fit (loss ~0.33,
+    # greedy first-try accuracy ~40%) in about 2 CPU-minutes. 300 steps left it near 5%.
+    return warm_start_mode_select(
+        tmp_path_factory.mktemp("tiny-chat") / "model", chat=True, steps=900, batch_size=64
+    )

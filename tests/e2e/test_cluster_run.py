@@ -28,8 +28,8 @@ import pytest
 
 from bus import ConnectOptions, EmbeddedServer, connect
 from bus.events import TrainerStep, decode
-from tests.e2e.jobs import REPO, committed_steps, steps_done, tiny_config
-from tests.integration.ops_helpers import (
+from tests.helpers.jobs import REPO, committed_steps, steps_done, tiny_config
+from tests.helpers.ops_helpers import (
     cluster_configs,
     free_port,
     monitor,

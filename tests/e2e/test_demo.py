@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.jobs import REPO, committed_steps, read_steps, run_job
+from tests.helpers.jobs import REPO, committed_steps, read_steps, run_job
 
 
 @pytest.mark.slow

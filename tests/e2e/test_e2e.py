@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.jobs import (
+from tests.helpers.jobs import (
     committed_steps,
     finish_job,
     read_steps,
@@ -229,7 +229,8 @@ def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_m
     import subprocess
     import sys
 
-    from tests.e2e.jobs import REPO
+    from bus.embedded import read_credentials
+    from tests.helpers.jobs import REPO
 
     total, batch = 16, 4
     cfg = tiny_config(
@@ -250,10 +251,12 @@ def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_m
     try:
         _wait_for(lambda: steps_done(run_dir) >= 2, 240, "two steps")
         url = (run_dir / "nats.url").read_text().strip()
+        password = read_credentials(run_dir / "nats")["generation"]  # the run's generation user
         extra = subprocess.Popen(
             [sys.executable, "-m", "workers.cli", "--role", "generation", "--config", str(cfg)]
-            + ["--set", f"bus.url={url}", "--worker-id", "generation-extra"],
+            + ["--set", f"bus.url={url}", "--set", "bus.user=generation", "--worker-id", "generation-extra"],
             cwd=REPO,
+            env={**os.environ, "AREAL_NATS_PASSWORD": password},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

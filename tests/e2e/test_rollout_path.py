@@ -14,7 +14,8 @@ import pytest
 
 from bus import ConnectOptions, connect
 from bus.events import PromptTask, ScoredGroup, unpack_f32, unpack_i32
-from tests.e2e.jobs import REPO, tiny_config
+from bus.state import IssuedTask, RunState
+from tests.helpers.jobs import REPO, tiny_config
 
 
 def _worker(role: str, config: Path, url: str, worker_id: str) -> subprocess.Popen[bytes]:
@@ -49,7 +50,10 @@ async def test_n_tasks_give_exactly_n_scored_groups_even_when_a_generator_dies(
     bus = await connect(ConnectOptions(url=nats_url, name="test"), run_name)
     try:
         await bus.provision(ack_wait=4)
+        run_state = RunState(bus)
         for i in range(n):
+            # As the controller does: record the issue first; workers serve only recorded tasks.
+            await run_state.issue(IssuedTask(task_id=f"t{i}", kind="train", epoch=0, index=i, attempt=0))
             task = PromptTask(
                 task_id=f"t{i}",
                 kind="train",

@@ -47,6 +47,7 @@ import pytest
 
 from areal_async.models import prepare_smollm2
 from bus import ConnectOptions, connect
+from bus.embedded import read_credentials
 from bus.events import (
     RolloutGroup,
     RunEnded,
@@ -55,8 +56,8 @@ from bus.events import (
     unpack_f32,
     unpack_i32,
 )
-from tests.e2e.jobs import committed_steps, finish_job, read_steps, start_job, tiny_config
-from tests.vllm_server import reload_start_weights, vllm_server
+from tests.helpers.jobs import committed_steps, finish_job, read_steps, start_job, tiny_config
+from tests.helpers.vllm_server import reload_start_weights, vllm_server
 
 TOTAL_STEPS, BATCH, GROUP, MAX_NEW_TOKENS = 4, 2, 4, 16
 OWN_MEAN_ATOL = 0.2
@@ -106,7 +107,11 @@ def _observe(run_dir: Path, run: str, stop: threading.Event, seen: Observed) -> 
             if stop.is_set():
                 return
             await anyio.sleep(0.05)
-        bus = await connect(ConnectOptions(url=url_file.read_text().strip(), name="test-observer"), run)
+        ops = read_credentials(run_dir / "nats")["ops"]  # written before nats.url
+        bus = await connect(
+            ConnectOptions(url=url_file.read_text().strip(), name="test-observer", user="ops", password=ops),
+            run,
+        )
         try:
             subjects = bus.subjects
             async with (

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from areal_async.data import load_dataset
-from areal_async.models import build_tiny_model, load_tokenizer
+from areal_async.models import load_tokenizer
+from tests.helpers.models import build_tiny_model
 
 
 def warm_start_mode_select(
@@ -29,8 +30,13 @@ def warm_start_mode_select(
     alt_p: float = 0.5,
     eval_fraction: float = 0.3,
     hi: int = 9,
+    chat: bool = False,
 ) -> Path:
-    """Build and SFT the tiny model into ``out_dir`` (reused when already there)."""
+    """Build and SFT the tiny model into ``out_dir`` (reused when already there).
+
+    ``chat``: prompts rendered with the tokenizer's ChatML template as one user message, the answer
+    closed by ``<|im_end|>``, as agent workflows (``ChatSession``) render a row's first turn.
+    """
     if (out_dir / "sft.done").is_file():
         return out_dir
     from transformers import AutoModelForCausalLM
@@ -49,13 +55,22 @@ def warm_start_mode_select(
         opt, lambda i: 0.05 + 0.475 * (1 + math.cos(math.pi * min(i, steps) / steps))
     )
     eos = tok.eos_token_id
+
+    def encode(prompt: str) -> list[int]:
+        if not chat:
+            return tok(prompt)["input_ids"]
+        messages = [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    prompts = {row["prompt"]: encode(row["prompt"]) for row in rows}  # rendered once, not per step
     model.train()
     for _ in range(steps):
         batch = [rng.choice(rows) for _ in range(batch_size)]
         seqs, masks = [], []
         for row in batch:
             answer = int(row["answer"]) + (1 if rng.random() < alt_p else 0)
-            p = tok(row["prompt"])["input_ids"]
+            p = prompts[row["prompt"]]
             a = tok(str(answer))["input_ids"] + [eos]
             seqs.append(p + a)
             masks.append([0] * len(p) + [1] * len(a))

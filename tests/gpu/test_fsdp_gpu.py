@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM
 
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine
-from tests.fsdp_helpers import random_batch, write_tiny_llama
+from tests.helpers.fsdp_helpers import random_batch, write_tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,7 +16,8 @@ import torch
 
 from areal_async.engines.base import GenerationRequest, SamplingParams
 from areal_async.engines.local import LocalEngine, decode_draws
-from areal_async.models import build_tiny_model, load_causal_lm
+from areal_async.models import load_causal_lm
+from tests.helpers.models import build_tiny_model
 from tests.unit.test_local_engine import (
     assert_logprobs_match,
     check_interruption,

@@ -31,7 +31,7 @@ from bus import (
     connect,
 )
 from bus import events as ev
-from bus.client import PAYLOAD_MARGIN
+from bus.payload import PAYLOAD_MARGIN
 from tests.conftest import BusFactory
 
 
@@ -108,8 +108,10 @@ async def test_every_event_type_round_trips_through_nats(
         (s.deadletter, "DeadLetter"),
         (s.metrics, "MetricsReport"),
         (s.run_ended, "RunEnded"),
+        (s.generate, "GenerateCall"),
     ]
-    assert {name for _, name in cases} == set(ev.EVENT_TYPES)
+    # GenerateReply has no subject: it goes to the caller's inbox (test_a_request_reaches_one_member...).
+    assert {name for _, name in cases} == set(ev.EVENT_TYPES) - {"GenerateReply"}
     for subject, name in cases:
         event = sample_events[name]
         spec = s.stream_for_subject(subject)
@@ -272,6 +274,41 @@ async def test_core_subscription_dead_letters_bad_payloads_and_goes_on(
 
 
 @pytest.mark.asyncio
+async def test_a_poison_delivery_is_dead_lettered_with_its_reason_and_never_redelivered(bus: Bus) -> None:
+    """Delivery.dead_letter copies the raw message (subject, data, headers) to deadletter with the
+    reason and acks it, so it leaves the work queue; Bus.dead_letter copies any bytes the same
+    way and never raises, also when the deadletter stream is gone (the copy is counted lost)."""
+    task = prompt_task(5)
+    await bus.publish(bus.subjects.prompt, task, msg_id="train:0:5:0")
+    async with bus.consume("PROMPT", batch=1) as consumer:
+        delivery = await next_delivery(consumer)
+        await delivery.dead_letter("ZeroDivisionError: division by zero")
+    [raw] = await read_stream(bus, "DEADLETTER", 1)
+    letter = ev.decode(raw, ev.DeadLetter)
+    assert (letter.subject, letter.reason) == (bus.subjects.prompt, "ZeroDivisionError: division by zero")
+    assert letter.data == ev.encode(task) and letter.worker_id == "test-bus"
+    assert letter.headers["Nats-Msg-Id"] == "train:0:5:0" and letter.headers["Areal-Event"] == "PromptTask"
+
+    prompt = bus.subjects.stream("PROMPT")
+
+    async def settled() -> bool:
+        info = await bus.js.consumer_info(prompt.name, "generation")
+        drained = info.num_ack_pending == 0 and info.num_pending == 0
+        return drained and await stream_messages(bus, "PROMPT") == 0
+
+    await wait_until(settled)  # acked and removed: nothing left to redeliver
+
+    await bus.dead_letter(bus.subjects.rollout_generated, "reward fn raised", b"\x00raw", {"k": "v"})
+    letter = ev.decode((await read_stream(bus, "DEADLETTER", 2))[1], ev.DeadLetter)
+    assert (letter.subject, letter.reason) == (bus.subjects.rollout_generated, "reward fn raised")
+    assert letter.data == b"\x00raw" and letter.headers == {"k": "v"}
+
+    await bus.js.delete_stream(bus.subjects.stream("DEADLETTER").name)
+    await bus.dead_letter(bus.subjects.prompt, "lost", b"x")
+    assert bus.stats["deadletter"] == 3 and bus.stats["deadletter_lost"] == 1
+
+
+@pytest.mark.asyncio
 async def test_oversized_payload_is_refused_before_sending(bus: Bus) -> None:
     """Too big for max_payload (headers included) or the stream's max_msg_size: PayloadTooLarge
     naming the subject, the sizes and the setting to change; nothing reaches the server."""
@@ -330,10 +367,10 @@ async def test_publish_checks_the_subject_and_the_event_type(
 
 @pytest.mark.asyncio
 async def test_connect_to_a_dead_port_fails_fast_with_a_clear_error(dead_url: str) -> None:
-    """No server there: BusConnectError within connect_timeout (+1 s), naming the URL and the fix."""
+    """No server there: BusConnectError within connect_timeout_s (+1 s), naming the URL and the fix."""
     t0 = time.monotonic()
     with pytest.raises(BusConnectError) as info:
-        await connect(ConnectOptions(url=dead_url, connect_timeout=1.0), "r1")
+        await connect(ConnectOptions(url=dead_url, connect_timeout_s=1.0), "r1")
     assert time.monotonic() - t0 < 2.0
     assert dead_url in str(info.value) and "nats-server is running" in str(info.value)
 
@@ -344,7 +381,7 @@ async def test_wrong_credentials_fail_at_once(server_factory: Callable[..., Embe
     server = server_factory(token="s3cret")
     t0 = time.monotonic()
     with pytest.raises(BusConnectError, match=r"Authorization Violation.*check bus\.token"):
-        await connect(ConnectOptions(url=server.url, token="wrong", connect_timeout=5.0), "r1")
+        await connect(ConnectOptions(url=server.url, token="wrong", connect_timeout_s=5.0), "r1")
     assert time.monotonic() - t0 < 2.0
     ok = await connect(ConnectOptions(url=server.url, token="s3cret"), "r1")
     await ok.close()
@@ -384,7 +421,8 @@ async def test_tls_connects_with_the_ca_and_fails_clearly_without(
     assert str(server.url).startswith("tls://")
     t0 = time.monotonic()
     with pytest.raises(BusConnectError, match=f"{server.url}.*CERTIFICATE_VERIFY_FAILED.*set bus.tls_ca"):
-        await connect(ConnectOptions(url=server.url, connect_timeout=5.0), "r1")  # system CAs do not trust it
+        # the system CAs do not trust it
+        await connect(ConnectOptions(url=server.url, connect_timeout_s=5.0), "r1")
     assert time.monotonic() - t0 < 2.0
     with pytest.raises(ValueError, match="tls_ca: no such file"):
         await connect(ConnectOptions(url=server.url, tls_ca=str(tmp_path / "missing.pem")), "r1")
@@ -448,7 +486,7 @@ async def test_publish_and_consumer_start_wait_for_the_stream_and_store_once(
     every message is stored at most once, and the consumer delivers."""
     server = server_factory()
     port = int(str(server.url).rsplit(":", 1)[1])
-    options = ConnectOptions(url=server.url, name="patient", reconnect_wait_max=0.2, request_timeout=0.5)
+    options = ConnectOptions(url=server.url, name="patient", reconnect_wait_max_s=0.2, request_timeout_s=0.5)
     bus = await connect(options, "r1")
     try:
         await bus.provision()
@@ -548,7 +586,7 @@ async def test_a_restarted_server_pauses_then_resumes_the_bus(
     consumes again, and stored work survives the restart."""
     server = server_factory()
     port = int(str(server.url).rsplit(":", 1)[1])
-    bus = await connect(ConnectOptions(url=server.url, name="resilient", reconnect_wait_max=0.5), "r1")
+    bus = await connect(ConnectOptions(url=server.url, name="resilient", reconnect_wait_max_s=0.5), "r1")
     try:
         await bus.provision()
         await bus.publish(bus.subjects.prompt, prompt_task(1))
@@ -593,8 +631,44 @@ async def test_close_is_bounded_and_ends_open_iterators(bus_factory: BusFactory)
             tg.start_soon(drain, name, iterator)
         await anyio.sleep(0.1)
         t0 = time.monotonic()
-        with anyio.fail_after(bus.options.drain_timeout + 1):
+        with anyio.fail_after(bus.options.drain_timeout_s + 1):
             await bus.close()
-        assert time.monotonic() - t0 < bus.options.drain_timeout
+        assert time.monotonic() - t0 < bus.options.drain_timeout_s
     assert sorted(ended) == ["consumer", "subscription", "watch"]
     assert bus.nc.is_closed
+
+
+@pytest.mark.asyncio
+async def test_a_request_reaches_one_member_of_the_queue_group_and_gets_its_reply(bus_factory) -> None:
+    """Two servers in one queue group: each request is answered once; no server means NoResponders."""
+    from bus import NoResponders
+    from bus.events import GenerateCall, GenerateReply
+
+    client = await bus_factory("client")
+    call = GenerateCall(call_id="c1", episode_id="e1", prompt_ids=ev.pack_i32([1, 2]), max_new_tokens=2)
+    with pytest.raises(NoResponders, match="nobody serves"):
+        await client.request(client.subjects.generate, call, timeout_s=2.0)
+    answered: list[str] = []
+
+    async def serve(name: str) -> None:
+        server = await bus_factory(name)
+        async with server.serve(server.subjects.generate, queue="generation") as requests:
+            async for req in requests:
+                answered.append(name)
+                await req.respond(GenerateReply(call_id=req.event.call_id, engine_id=name))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve, "s1")
+        tg.start_soon(serve, "s2")
+        await anyio.sleep(0.5)
+        replies = [
+            await client.request(
+                client.subjects.generate,
+                GenerateCall(call_id=f"c{i}", episode_id="e", prompt_ids=ev.pack_i32([1]), max_new_tokens=1),
+                timeout_s=5.0,
+            )
+            for i in range(6)
+        ]
+        tg.cancel_scope.cancel()
+    assert [r.call_id for r in replies] == [f"c{i}" for i in range(6)]
+    assert len(answered) == 6 and all(r.engine_id in ("s1", "s2") for r in replies)

@@ -20,7 +20,7 @@ from areal_async.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine, init_distributed
 from areal_async.weights_file import tensor_sha256
-from tests.fsdp_helpers import random_batch, write_tiny_llama
+from tests.helpers.fsdp_helpers import random_batch, write_tiny_llama
 
 VOCAB = 64
 WORLD = 2

@@ -1,7 +1,7 @@
 """Authentication and per-role permissions of the shipped NATS configs (scripts/nats/).
 
 Every test runs a real nats-server on the shipped files (only paths and addresses are
-rewritten) and connects through ``bus.client.connect`` exactly as a worker does:
+rewritten) and connects through ``bus.connect`` exactly as a worker does:
 
 * the configs parse (``nats-server -t``), and a missing secret is named;
 * user/password, nkey seed files, token, mutual TLS and ``.creds`` (a JWT chain minted here
@@ -35,7 +35,7 @@ from structlog.testing import capture_logs
 from bus import Bus, BusConnectError, BusError, BusPermissionError, ConnectOptions, EmbeddedServer, connect
 from bus import events as ev
 from bus.events import expected_type
-from tests.integration.ops_helpers import (
+from tests.helpers.ops_helpers import (
     REPO,
     ROLES,
     check_config,
@@ -57,12 +57,14 @@ RUN = "ops1"
 # Every role also heartbeats (core + workers bucket), provisions, and may dead-letter.
 ROLE_WORK: dict[str, dict[str, Sequence[str]]] = {
     "controller": {"publish": ("prompt", "metrics", "run_ended"), "consume": ("STEPS", "FAILED", "EVAL"),
-                   "state": ("controller", "run.ended")},
+                   "state": ("controller", "run.ended", "issued.e0-i1")},
     "generation": {"publish": ("rollout_generated", "weights_loaded"), "consume": ("PROMPT",), "state": ()},
     "reward": {"publish": ("rollout_scored", "eval_scored"), "consume": ("GENERATED",), "state": ()},
     "trainer": {"publish": ("trainer_step", "rollout_failed", "weights_published", "metrics"),
                 "consume": ("SCORED",), "state": ("weights.published",)},
     "weight-sync": {"publish": ("weights_load", "weights_served"), "consume": (), "state": ("weights.served",)},
+    "agent": {"publish": ("generate", "rollout_scored", "eval_scored", "rollout_failed"), "consume": ("PROMPT",),
+              "state": ()},
 }  # fmt: skip
 
 # The REWARD permissions of permissions.conf in JWT form (`nsc add user --allow-pub ...`).
@@ -241,11 +243,11 @@ async def test_a_role_user_connects_publishes_and_consumes(
 async def test_a_client_without_valid_credentials_is_refused_at_once_naming_the_url(
     users_server: UsersServer, credentials: dict[str, str]
 ) -> None:
-    """A bad password, or none, fails the first connect well before connect_timeout (no
+    """A bad password, or none, fails the first connect well before connect_timeout_s (no
     retries), with the URL and the server's "Authorization Violation" in the error."""
     t0 = time.monotonic()
     with pytest.raises(BusConnectError) as info:
-        await connect(ConnectOptions(url=users_server.url, connect_timeout=5, **credentials), RUN)
+        await connect(ConnectOptions(url=users_server.url, connect_timeout_s=5, **credentials), RUN)
     assert time.monotonic() - t0 < 3
     assert names_server(info.value, users_server.url)
     assert "authorization violation" in str(info.value).lower()
@@ -262,7 +264,7 @@ async def test_each_role_can_do_its_whole_job_under_its_permissions(
     work = ROLE_WORK[role]
     with capture_logs() as logs:
         ops = await connect(users_server.options("ops"), run_name)
-        bus = await connect(users_server.options(role, request_timeout=2.0), run_name)
+        bus = await connect(users_server.options(role, request_timeout_s=2.0), run_name)
         try:
             await bus.provision()
             beat = sample(sample_events, bus.subjects.heartbeat(role, "w1"))
@@ -303,7 +305,7 @@ async def test_a_reward_worker_may_not_touch_weights_and_survives_trying(
     before request_timeout, are logged and counted, and change nothing."""
     with capture_logs() as logs:
         ops = await connect(users_server.options("ops"), run_name)
-        reward = await connect(users_server.options("reward", request_timeout=10.0), run_name)
+        reward = await connect(users_server.options("reward", request_timeout_s=10.0), run_name)
         try:
             await reward.provision()
             async with ops.subscribe(ops.subjects.weights_load) as spy:
@@ -465,7 +467,7 @@ async def test_an_nkey_seed_file_authenticates_its_role_and_an_unknown_key_is_re
             await ops.close()
         with pytest.raises(BusConnectError) as info:
             await connect(
-                ConnectOptions(url=server.url, nkeys_seed=str(stranger.seed_file), connect_timeout=5), RUN
+                ConnectOptions(url=server.url, nkeys_seed=str(stranger.seed_file), connect_timeout_s=5), RUN
             )
         assert names_server(info.value, server.url) and "authorization violation" in str(info.value).lower()
 
@@ -488,7 +490,7 @@ async def test_the_token_config_admits_the_token_and_refuses_another(
         finally:
             await bus.close()
         with pytest.raises(BusConnectError) as info:
-            await connect(ConnectOptions(url=server.url, token="guess", connect_timeout=5), run_name)
+            await connect(ConnectOptions(url=server.url, token="guess", connect_timeout_s=5), run_name)
         assert names_server(info.value, server.url) and "authorization violation" in str(info.value).lower()
 
 
@@ -536,13 +538,13 @@ async def test_mutual_tls_admits_a_client_of_the_ca_and_refuses_a_wrong_ca_or_no
 
         wrong_ca = ConnectOptions(
             url=server.url, tls_ca=str(tls.other_ca), tls_cert=str(tls.client_cert), tls_key=str(tls.client_key),
-            connect_timeout=1.5, **user,
+            connect_timeout_s=1.5, **user,
         )  # fmt: skip
         with pytest.raises(BusConnectError) as info:
             await connect(wrong_ca, run_name)
         assert names_server(info.value, server.url) and "certificate verify failed" in str(info.value).lower()
 
-        no_client_cert = ConnectOptions(url=server.url, tls_ca=str(tls.ca), connect_timeout=1.5, **user)
+        no_client_cert = ConnectOptions(url=server.url, tls_ca=str(tls.ca), connect_timeout_s=1.5, **user)
         with pytest.raises(BusConnectError) as info:
             await connect(no_client_cert, run_name)
         assert names_server(info.value, server.url)
@@ -589,6 +591,6 @@ async def test_creds_signed_by_the_operator_chain_work_and_a_foreign_account_is_
                 await ops.close()
         with pytest.raises(BusConnectError) as info:
             await connect(
-                ConnectOptions(url=server.url, creds=str(operator.rogue_creds), connect_timeout=5), RUN
+                ConnectOptions(url=server.url, creds=str(operator.rogue_creds), connect_timeout_s=5), RUN
             )
         assert names_server(info.value, server.url)

@@ -24,7 +24,7 @@ import pytest_asyncio
 
 from bus import Bus, ConnectOptions, EmbeddedServer, connect
 from bus import events as ev
-from tests.integration.ops_helpers import (
+from tests.helpers.ops_helpers import (
     cluster_configs,
     free_port,
     monitor,
@@ -59,7 +59,7 @@ class Cluster:
     def options(self, user: str, urls: list[str], **kwargs: object) -> ConnectOptions:
         return ConnectOptions(
             url=urls, name=f"{user}-1", user=user, password=self.passwords[user],
-            reconnect_wait_max=0.5, request_timeout=2.0, **kwargs,
+            reconnect_wait_max_s=0.5, request_timeout_s=2.0, **kwargs,
         )  # fmt: skip
 
     def by_name(self, server_name: str) -> EmbeddedServer:

@@ -32,7 +32,7 @@ from anyio.abc import Process
 
 from bus import ConnectOptions, EmbeddedServer, connect
 from bus import events as ev
-from tests.integration.ops_helpers import (
+from tests.helpers.ops_helpers import (
     REPO,
     SLURM_DIR,
     SYSTEMD_DIR,

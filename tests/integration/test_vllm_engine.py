@@ -29,7 +29,7 @@ from areal_async.engines.base import GenerationRequest, GenerationResult, Sampli
 from areal_async.engines.vllm import VLLMEngine, with_lm_head
 from areal_async.errors import ConfigError
 from areal_async.models import load_causal_lm, load_tokenizer, prepare_smollm2
-from tests.vllm_server import vllm_server
+from tests.helpers.vllm_server import vllm_server
 
 LOGPROB_MAX_ATOL = 1.0
 LOGPROB_P95_ATOL = 0.3

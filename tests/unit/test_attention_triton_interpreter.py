@@ -8,7 +8,7 @@ inside blocks, grouped K/V heads whose gradients are summed over their query hea
 sums of the backward. The interpreter runs float32 (its bfloat16 matrix product is wrong in
 Triton 3.9), with small blocks so that sequences span several of them. Triton is installed
 outside `.venv` by `scripts/test.sh` (`.cache/triton`) and imported only in the subprocess
-(`tests/triton_interpreter.py`).
+(`tests/helpers/triton_interpreter.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from areal_async.engines.varlen import pick_attention_kernel
-from tests.triton_interpreter import needs_triton, run_interpreted
+from tests.helpers.triton_interpreter import needs_triton, run_interpreted
 
 CHECK = r"""
 import json, torch

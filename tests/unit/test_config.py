@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_async.config import RunConfig, load_config, parse_override, write_resolved_config
+from areal_async.config import RunConfig, build_config, load_config, parse_override, write_resolved_config
 from areal_async.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -187,3 +187,19 @@ def test_max_inflight_below_batch_size_is_refused() -> None:
     """A cap that can never fill one batch would deadlock the run; it is refused up front."""
     with pytest.raises(ConfigError, match=r"max_inflight \(2\) is below trainer.batch_size \(4\)"):
         load_config(None, ["rollout.max_inflight=2", "trainer.batch_size=4"])
+
+
+def test_agent_settings_are_checked_and_pick_the_roles_of_a_run() -> None:
+    """A workflow is a built-in or an import path; unknown tools are named; agent runs start the agent
+    role instead of the reward role (agents score their own episodes)."""
+    from workers.roles import run_roles
+
+    with pytest.raises(ConfigError, match="workflow 'multi'"):
+        build_config({"name": "r", "rollout": {"workflow": "multi"}})
+    with pytest.raises(ConfigError, match="unknown tool"):
+        build_config({"name": "r", "agent": {"tools": ["shell"]}})
+    single = build_config({"name": "r"})
+    agents = build_config({"name": "r", "rollout": {"workflow": "my.pkg:run"}})
+    assert not single.uses_agents and agents.uses_agents
+    assert "agent" not in run_roles(single.uses_agents) and "reward" in run_roles(single.uses_agents)
+    assert "agent" in run_roles(agents.uses_agents) and "reward" not in run_roles(agents.uses_agents)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -16,13 +17,13 @@ from hypothesis import strategies as st
 
 from bus import events as ev
 
-CONTRACTS = Path(__file__).resolve().parents[2] / "docs" / "CONTRACTS.md"
+DESIGN_DOC = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 
 
 def _contract_fields() -> dict[str, list[str]]:
-    """Event name -> field names, parsed from the schema list in docs/CONTRACTS.md."""
-    text = CONTRACTS.read_text()
-    section = text.split("## Event schemas", 1)[1].split("\n## ", 1)[0]
+    """Event name -> field names, parsed from the schema list in docs/design.md section 4.2."""
+    text = DESIGN_DOC.read_text()
+    section = text.split(" Event schemas\n", 1)[1].split("\n#", 1)[0]
     entries = re.findall(r"^- (.+?)(?=^- |\Z)", section, flags=re.M | re.S)
     out: dict[str, list[str]] = {}
     for entry in entries:
@@ -42,7 +43,7 @@ def _contract_fields() -> dict[str, list[str]]:
 
 
 def test_schemas_have_exactly_the_fields_of_the_contract() -> None:
-    """Every event in CONTRACTS.md exists with exactly those field names (plus schema_version)."""
+    """Every event in docs/design.md section 4.2 exists with exactly those fields (plus schema_version)."""
     contract = _contract_fields()
     types = dict(ev.EVENT_TYPES, Completion=ev.Completion, TensorEntry=ev.TensorEntry)
     assert set(contract) - {"TensorEntry"} <= set(types)
@@ -93,6 +94,87 @@ def test_a_new_reader_reads_an_old_event_and_fills_the_default() -> None:
     old = ev.PromptTask(task_id="t", kind="train", index=1, epoch=0, row={"a": 1}, issued_at=1.0)
     new = ev.decode(ev.encode(old), PromptTaskV2)
     assert isinstance(new, PromptTaskV2) and new.priority == 7 and new.row == {"a": 1}
+
+
+def _episode(mask: list[int] | bytes) -> ev.Completion:
+    """A multi-turn completion: model tokens 11, 12, tool output 90, 91, model token 13."""
+    return ev.Completion(
+        token_ids=ev.pack_i32([11, 12, 90, 91, 13]),
+        logprobs=ev.pack_f32([-0.5, -1.0, 0.0, 0.0, -0.25]),
+        versions=ev.pack_i32([3, 3, 3, 3, 4]),
+        finish_reason="stop",
+        loss_mask=mask if isinstance(mask, bytes) else ev.pack_u8(mask),
+    )
+
+
+def _group_of(completion: ev.Completion, sample: ev.Event) -> ev.RolloutGroup:
+    assert isinstance(sample, ev.RolloutGroup)
+    return msgspec.structs.replace(sample, completions=[completion, completion])
+
+
+class CompletionV0(msgspec.Struct, kw_only=True, frozen=True):
+    """Completion as written before loss masks existed."""
+
+    token_ids: bytes
+    logprobs: bytes
+    versions: bytes
+    finish_reason: str
+    text: str = ""
+
+
+class RolloutGroupV0(ev.RolloutGroup, tag="RolloutGroup", kw_only=True):
+    """A reader (or writer) whose completions have no loss_mask."""
+
+    completions: list[CompletionV0]  # type: ignore[assignment]
+
+
+def test_a_loss_mask_round_trips_as_one_byte_per_token(sample_events: dict[str, ev.Event]) -> None:
+    """The mask travels as a msgpack bin field of uint8 0/1 and decodes to the same completion."""
+    group = _group_of(_episode([1, 1, 0, 0, 1]), sample_events["RolloutGroup"])
+    data = ev.encode(group)
+    assert ev.decode(data, ev.RolloutGroup) == group
+    plain = msgpack.unpackb(data)["completions"][0]["loss_mask"]
+    assert plain == bytes([1, 1, 0, 0, 1])
+    assert ev.unpack_u8(plain).tolist() == [1, 1, 0, 0, 1]
+
+
+def test_an_old_reader_reads_completions_with_a_loss_mask(sample_events: dict[str, ev.Event]) -> None:
+    """Forward compatibility: a reader without the field ignores it."""
+    group = _group_of(_episode([1, 1, 0, 0, 1]), sample_events["RolloutGroup"])
+    old = ev.decode(ev.encode(group), RolloutGroupV0)
+    assert isinstance(old.completions[0], CompletionV0)
+    assert old.completions[0].token_ids == group.completions[0].token_ids
+
+
+def test_a_new_reader_reads_completions_without_a_loss_mask(sample_events: dict[str, ev.Event]) -> None:
+    """Backward compatibility: stored streams without the field decode with an empty mask."""
+    sample: ev.RolloutGroup = sample_events["RolloutGroup"]  # type: ignore[assignment]
+    v0 = CompletionV0(**{k: getattr(sample.completions[0], k) for k in CompletionV0.__struct_fields__})
+    written = RolloutGroupV0(**{**msgspec.structs.asdict(sample), "completions": [v0, v0]})
+    assert "loss_mask" not in msgpack.unpackb(ev.encode(written))["completions"][0]
+    new = ev.decode(ev.encode(written), ev.RolloutGroup)
+    assert type(new) is ev.RolloutGroup and new.completions == sample.completions
+    assert new.completions[0].loss_mask == b""
+
+
+@pytest.mark.parametrize(
+    "mask,match",
+    [
+        (b"\x01\x01\x00\x01", "loss_mask has 4 entries for 5 tokens"),
+        ([1, 2, 0, 0, 1], "only 0 and 1"),
+        ([0, 0, 0, 0, 0], "at least one 1"),
+    ],
+)
+def test_a_bad_loss_mask_is_refused_by_producer_and_decoder(
+    mask: list[int] | bytes, match: str, sample_events: dict[str, ev.Event]
+) -> None:
+    """One 0/1 byte per token with at least one trained token, else ValueError / DecodeError."""
+    with pytest.raises(ValueError, match=match):
+        _episode(mask)
+    group = msgpack.unpackb(ev.encode(_group_of(_episode([1] * 5), sample_events["RolloutGroup"])))
+    group["completions"][0]["loss_mask"] = mask if isinstance(mask, bytes) else bytes(mask)
+    with pytest.raises(ev.DecodeError, match=match):
+        ev.decode(msgpack.packb(group), ev.RolloutGroup)
 
 
 def _bad_payloads() -> dict[str, bytes]:
@@ -231,7 +313,9 @@ def test_each_subject_expects_one_event_type() -> None:
     assert ev.expected_type("areal.r1.heartbeat.generation.w1") is ev.Heartbeat
     assert ev.expected_type("areal.r1.unknown") is None
     assert ev.expected_type("elsewhere") is None
-    assert set(ev.SUBJECT_TYPES.values()) == set(ev.EVENT_TYPES.values())
+    assert ev.expected_type("areal.r1.generate") is ev.GenerateCall
+    # Every event has its subject, except the reply of a request, which goes to the caller's inbox.
+    assert set(ev.SUBJECT_TYPES.values()) == set(ev.EVENT_TYPES.values()) - {ev.GenerateReply}
 
 
 def test_random_bytes_payloads_are_decode_errors() -> None:

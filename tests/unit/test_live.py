@@ -12,7 +12,8 @@ from workers.live import render, role_health
 
 
 def test_live_display_shows_step_eval_and_role_health(tmp_path: Path) -> None:
-    """Step metrics, the latest eval and each role's last status appear in the rendered tables."""
+    """Step metrics, the latest eval, each role's last status and its peak RSS appear in the
+    rendered tables."""
     (tmp_path / "logs").mkdir()
     step = {
         "policy_version": 7,
@@ -29,7 +30,12 @@ def test_live_display_shows_step_eval_and_role_health(tmp_path: Path) -> None:
     assert role_health(tmp_path, "trainer")[:2] == ("waiting", "2/4 groups")
     assert role_health(tmp_path, "reward")[0] == "starting"
     console = Console(record=True, width=200)
-    console.print(render(tmp_path, ["trainer", "reward"], lambda role: (role == "trainer", 1), time.time()))
+
+    def procs(role: str) -> tuple[bool, int, int]:  # (process up, restarts, peak RSS bytes)
+        return role == "trainer", 1, 312 * 2**20
+
+    console.print(render(tmp_path, ["trainer", "reward"], procs, time.time()))
     text = console.export_text()
-    for expected in ("0.438", "0.625 @v5", "2 / 1.50", "waiting", "2/4 groups", "starting", "down"):
+    expected_text = ("0.438", "0.625 @v5", "2 / 1.50", "waiting", "2/4 groups", "starting", "down", "312 MiB")
+    for expected in expected_text:
         assert expected in text, expected

@@ -26,17 +26,17 @@ from areal_async.engines.base import (
     SamplingParams,
 )
 from areal_async.engines.local import (
-    PACKED_GQA_SDPA,
     LocalEngine,
-    _DecodeRows,
-    _SlotKV,
     cache_kwarg,
-    packed_gqa_sdpa,
     sample_tokens,
     slot_decode_forward,
     slot_prefill_step,
 )
-from areal_async.models import build_tiny_model, load_causal_lm
+from areal_async.engines.local.kv import _DecodeRows
+from areal_async.engines.local.slots import _SlotKV
+from areal_async.engines.varlen import PACKED_GQA_SDPA, packed_gqa_sdpa
+from areal_async.models import load_causal_lm
+from tests.helpers.models import build_tiny_model
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ subprocess, so the suite's torch never sees it.
 
 from __future__ import annotations
 
-from tests.triton_interpreter import needs_triton, run_interpreted
+from tests.helpers.triton_interpreter import needs_triton, run_interpreted
 
 CHECK = r"""
 import json, torch

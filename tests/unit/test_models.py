@@ -1,4 +1,7 @@
-"""models.py: tiny model directories, their tokenizers and chat template, and the SmolLM2 GGUF conversion."""
+"""Model loading and the SmolLM2 GGUF conversion (areal_async/models.py), on tiny model directories.
+
+The tiny directories, their tokenizers and chat template come from tests/helpers/models.py, tested here too.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from areal_async import models
-from areal_async.models import (
-    MARKER_FILE,
-    build_tiny_model,
-    load_causal_lm,
-    load_tokenizer,
-    prepare_smollm2,
-)
+from areal_async.models import MARKER_FILE, load_causal_lm, load_tokenizer, prepare_smollm2
+from tests.helpers.models import build_tiny_model
 
 torch.set_num_threads(1)
 

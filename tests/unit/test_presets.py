@@ -56,10 +56,14 @@ def test_ppo_decoupled_is_exactly_the_defaults() -> None:
     assert LOSS_FIELDS["behave_cap_mode"] == "mask"
 
 
-def test_loss_fields_agree_with_the_loss_config_dataclass() -> None:
-    """config.LossConfig has exactly the fields of LOSS_FIELDS with the same defaults."""
-    fields = {f.name: f.default for f in dataclasses.fields(LossConfig)}
-    assert fields == LOSS_FIELDS
+@pytest.mark.parametrize("name", sorted(EXPECTED_PRESETS))
+def test_every_preset_builds_a_valid_loss_config(name: str) -> None:
+    """A LossConfig made of a preset's values passes the dataclass's own checks and keeps them."""
+    config = LossConfig(preset=name, **PRESETS[name])
+    assert {f.name: getattr(config, f.name) for f in dataclasses.fields(config)} == {
+        **PRESETS[name],
+        "preset": name,
+    }
 
 
 def test_each_named_recipe_sets_its_defining_switches() -> None:

@@ -31,7 +31,7 @@ from areal_async.rewards.math import call_with_deadline, to_number
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k_completions.jsonl"
 CASES = [json.loads(line) for line in FIXTURE.read_text().splitlines() if line.strip()]
-SCRIPTED = "tests.unit.reward_fns:scripted_reward"
+SCRIPTED = "tests.helpers.reward_fns:scripted_reward"
 POOL_TIMEOUT_S = 1.0
 
 pool_test = pytest.mark.asyncio(loop_scope="module")
@@ -189,8 +189,8 @@ def test_builtin_rewards_resolve_by_name(name: str) -> None:
 
 def test_custom_rewards_resolve_by_import_path_sync_and_async() -> None:
     """``package.module:function`` imports sync and async functions; call_reward runs both."""
-    assert call_reward(resolve_reward("tests.unit.reward_fns:length_reward"), "abc", {}) == 3.0
-    assert call_reward(resolve_reward("tests.unit.reward_fns:async_reward"), "7", {"answer": 7}) == 1.0
+    assert call_reward(resolve_reward("tests.helpers.reward_fns:length_reward"), "abc", {}) == 3.0
+    assert call_reward(resolve_reward("tests.helpers.reward_fns:async_reward"), "7", {"answer": 7}) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -199,8 +199,8 @@ def test_custom_rewards_resolve_by_import_path_sync_and_async() -> None:
         ("gsm9k", r"unknown reward 'gsm9k'; did you mean 'gsm8k'\?"),
         ("no_such_thing", "a custom reward is 'package.module:function'"),
         ("tests.unit.no_such_module:fn", "cannot import module 'tests.unit.no_such_module'"),
-        ("tests.unit.reward_fns:missing", "has no attribute 'missing'"),
-        ("tests.unit.reward_fns:NOT_A_FUNCTION", "is not callable"),
+        ("tests.helpers.reward_fns:missing", "has no attribute 'missing'"),
+        ("tests.helpers.reward_fns:NOT_A_FUNCTION", "is not callable"),
     ],
 )
 def test_bad_reward_specs_say_what_is_wrong(spec: str, message: str) -> None:
@@ -307,7 +307,9 @@ async def test_pool_survives_a_caller_that_cancels_mid_call(pool: RewardPool) ->
 @pool_test
 async def test_async_reward_functions_run_in_the_pool_and_leave_no_process_behind() -> None:
     """``async def`` rewards run via asyncio.run in the worker; after aclose every worker is gone."""
-    async with RewardPool("tests.unit.reward_fns:async_reward", num_workers=1, timeout_s=5.0) as async_pool:
+    async with RewardPool(
+        "tests.helpers.reward_fns:async_reward", num_workers=1, timeout_s=5.0
+    ) as async_pool:
         pids = async_pool.worker_pids
         right, failed = await async_pool.score(["7", "raise"], {"answer": 7})
     assert right.reward == 1.0 and right.error is None
@@ -331,7 +333,7 @@ async def test_gsm8k_builtin_scores_in_worker_processes() -> None:
 @pool_test
 async def test_pool_start_reports_a_reward_that_does_not_import_and_leaves_no_process() -> None:
     """A spec that fails in the worker raises RewardSpecError from start, with nothing left running."""
-    bad = RewardPool("tests.unit.reward_fns:NOT_A_FUNCTION", num_workers=1)
+    bad = RewardPool("tests.helpers.reward_fns:NOT_A_FUNCTION", num_workers=1)
     with pytest.raises(RewardSpecError, match="not callable"):
         await bad.start()
     assert bad.worker_pids == []

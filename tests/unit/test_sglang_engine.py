@@ -1,4 +1,4 @@
-"""SGLangEngine against tests/fake_sglang.py: log-probs, stops, interruption, dead and revived servers.
+"""SGLangEngine against tests/helpers/fake_sglang.py: log-probs, stops, interruption, dead and revived servers.
 
 The fake runs a tiny random-init model in-process behind SGLang's HTTP shapes (no real SGLang: it has
 no CPU build). Log-probs are checked against a teacher-forced forward of the same weights; versions
@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from areal_async.engines.base import EngineClosedError, GenerationRequest, GenerationResult, SamplingParams
 from areal_async.engines.sglang import SGLangEngine
-from areal_async.models import build_tiny_model
-from tests.fake_sglang import FakeSGLangServer
+from tests.helpers.fake_sglang import FakeSGLangServer
+from tests.helpers.models import build_tiny_model
 
 torch.set_num_threads(1)
 

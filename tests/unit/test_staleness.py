@@ -1,6 +1,6 @@
 """Unit tests of areal_async.algo.staleness, and a simulated run that checks the staleness invariant.
 
-The simulation is a discrete-event model of the pipeline of DESIGN.md sections 2-4 and 8, with timings
+The simulation is a discrete-event model of the pipeline of docs/design.md sections 5, 7 and 8, with timings
 drawn by hypothesis: a controller issuing prompt tasks under ``admission_allows``; generation engines
 stamping ``head_version`` with the version they serve when they start a task; reward latency; a
 weight-sync worker that declares a version served once every live engine has loaded it; a trainer that
@@ -26,22 +26,22 @@ from areal_async.algo.staleness import StalenessStats, admission_allows, admissi
 
 
 def test_admission_is_bounded_by_the_staleness_window() -> None:
-    """eta 1, v 2, B 4: at most (1 + 2 + 1) * 4 = 16 tasks issued; the 16th is allowed, the 17th is not."""
-    common = dict(trained=14, served_version=2, eta=1, batch_size=4, max_inflight=100)
+    """max_staleness 1, v 2, B 4: at most (1 + 2 + 1) * 4 = 16 tasks issued; the 16th is allowed, the 17th is not."""
+    common = dict(trained=14, served_version=2, max_staleness=1, batch_size=4, max_inflight=100)
     assert admission_allows(issued=15, **common)
     assert not admission_allows(issued=16, **common)
 
 
 def test_admission_is_bounded_by_max_inflight() -> None:
     """issued - trained < max_inflight: 3 in flight with a limit of 4 is allowed, 4 is not."""
-    common = dict(served_version=10, eta=2, batch_size=4, max_inflight=4)
+    common = dict(served_version=10, max_staleness=2, batch_size=4, max_inflight=4)
     assert admission_allows(issued=11, trained=8, **common)
     assert not admission_allows(issued=12, trained=8, **common)
 
 
 def test_synchronous_rl_issues_one_batch_per_served_version() -> None:
-    """eta 0: before any step (v 0) exactly B tasks; after v 1 is served, B more."""
-    kwargs = dict(eta=0, batch_size=3, max_inflight=100)
+    """max_staleness 0: before any step (v 0) exactly B tasks; after v 1 is served, B more."""
+    kwargs = dict(max_staleness=0, batch_size=3, max_inflight=100)
     assert admission_capacity(issued=0, trained=0, served_version=0, **kwargs) == 3
     assert admission_capacity(issued=3, trained=3, served_version=0, **kwargs) == 0
     assert admission_capacity(issued=3, trained=3, served_version=1, **kwargs) == 3
@@ -51,7 +51,7 @@ def test_synchronous_rl_issues_one_batch_per_served_version() -> None:
     issued=st.integers(0, 60),
     trained=st.integers(0, 60),
     served_version=st.integers(0, 10),
-    eta=st.integers(0, 4),
+    max_staleness=st.integers(0, 4),
     batch_size=st.integers(1, 6),
     max_inflight=st.integers(1, 30),
 )
@@ -67,16 +67,16 @@ def test_admission_capacity_counts_exactly_the_tasks_admission_allows(**kwargs: 
 
 
 def test_guard_accepts_exactly_the_window_t_minus_eta_to_t() -> None:
-    """t 5, eta 2: head 3, 4, 5 are ok; 2 is stale; 6 is from the future."""
-    verdicts = {h: guard(head_version=h, trainer_version=5, eta=2) for h in range(1, 8)}
+    """t 5, max_staleness 2: head 3, 4, 5 are ok; 2 is stale; 6 is from the future."""
+    verdicts = {h: guard(head_version=h, trainer_version=5, max_staleness=2) for h in range(1, 8)}
     assert verdicts == {1: "stale", 2: "stale", 3: "ok", 4: "ok", 5: "ok", 6: "future", 7: "future"}
 
 
 def test_guard_with_eta_zero_accepts_only_the_current_version() -> None:
     """Synchronous RL: only head == t trains."""
-    assert guard(head_version=3, trainer_version=3, eta=0) == "ok"
-    assert guard(head_version=2, trainer_version=3, eta=0) == "stale"
-    assert guard(head_version=4, trainer_version=3, eta=0) == "future"
+    assert guard(head_version=3, trainer_version=3, max_staleness=0) == "ok"
+    assert guard(head_version=2, trainer_version=3, max_staleness=0) == "stale"
+    assert guard(head_version=4, trainer_version=3, max_staleness=0) == "future"
 
 
 def test_staleness_stats_summarise_t_minus_head() -> None:
@@ -113,15 +113,15 @@ class _Run:
     def __init__(
         self,
         *,
-        eta: int,
+        max_staleness: int,
         batch_size: int,
         max_inflight: int,
         num_engines: int,
         ckpt_every: int,
         rng: random.Random,
     ) -> None:
-        self.eta, self.batch_size, self.max_inflight, self.ckpt_every, self.rng = (
-            eta,
+        self.max_staleness, self.batch_size, self.max_inflight, self.ckpt_every, self.rng = (
+            max_staleness,
             batch_size,
             max_inflight,
             ckpt_every,
@@ -189,7 +189,7 @@ class _Run:
             issued=self.issued,
             trained=self.trained,
             served_version=self.served_version,
-            eta=self.eta,
+            max_staleness=self.max_staleness,
             batch_size=self.batch_size,
             max_inflight=self.max_inflight,
         ):
@@ -200,7 +200,7 @@ class _Run:
         issued_truth = sum(t.state != "failed" for t in self.tasks.values())
         assert self.issued == issued_truth
         assert self.trained == len(self.trained_ids)
-        assert issued_truth < (self.eta + self.served_version + 1) * self.batch_size
+        assert issued_truth < (self.max_staleness + self.served_version + 1) * self.batch_size
         assert issued_truth - len(self.trained_ids) < self.max_inflight
         self.issue_checks += 1
         prompt = self.requeue.popleft() if self.requeue else self._new_prompt()
@@ -301,7 +301,9 @@ class _Run:
         for task_id in sorted(self.buffer):  # task ids grow with issue order: oldest first
             task = self.tasks[task_id]
             verdict = guard(
-                head_version=task.head_version, trainer_version=self.trainer_version, eta=self.eta
+                head_version=task.head_version,
+                trainer_version=self.trainer_version,
+                max_staleness=self.max_staleness,
             )
             if verdict != "ok":
                 self.recycle(task, verdict)
@@ -324,12 +326,12 @@ class _Run:
         t = self.trainer_version
         heads = [self.tasks[i].head_version for i in self.in_step]
         for head in heads:
-            assert t - self.eta <= head <= t, (
-                f"trained head_version {head} at trainer version {t}, eta {self.eta}"
+            assert t - self.max_staleness <= head <= t, (
+                f"trained head_version {head} at trainer version {t}, max_staleness {self.max_staleness}"
             )
             self.trained_heads.append((t, head))
         stats = StalenessStats.of(trainer_version=t, head_versions=heads)
-        assert 0 <= stats.min <= stats.max <= self.eta
+        assert 0 <= stats.min <= stats.max <= self.max_staleness
         for task_id in self.in_step:
             self.tasks[task_id].state = "trained"
             self.trained_ids.append(task_id)
@@ -377,7 +379,7 @@ class _Run:
 
 
 _timing = dict(
-    eta=st.integers(0, 3),
+    max_staleness=st.integers(0, 3),
     batch_size=st.integers(1, 4),
     extra_inflight=st.integers(0, 8),
     num_engines=st.integers(1, 3),
@@ -387,11 +389,16 @@ _timing = dict(
 
 
 def _make_run(
-    eta: int, batch_size: int, extra_inflight: int, num_engines: int, ckpt_every: int, rng: random.Random
+    max_staleness: int,
+    batch_size: int,
+    extra_inflight: int,
+    num_engines: int,
+    ckpt_every: int,
+    rng: random.Random,
 ) -> _Run:
     # max_inflight >= B: with fewer the trainer can never gather a batch.
     return _Run(
-        eta=eta,
+        max_staleness=max_staleness,
         batch_size=batch_size,
         max_inflight=batch_size + extra_inflight,
         num_engines=num_engines,
@@ -403,11 +410,16 @@ def _make_run(
 @settings(max_examples=150, deadline=None)
 @given(**_timing)
 def test_without_crashes_the_run_progresses_and_every_trained_group_is_in_the_window(
-    eta: int, batch_size: int, extra_inflight: int, num_engines: int, ckpt_every: int, rng: random.Random
+    max_staleness: int,
+    batch_size: int,
+    extra_inflight: int,
+    num_engines: int,
+    ckpt_every: int,
+    rng: random.Random,
 ) -> None:
     """Random timings, no crashes: 8 steps complete (no deadlock), admission always holds at issue time,
-    every trained group satisfies t - eta <= head_version <= t, and no group is ever from the future."""
-    run = _make_run(eta, batch_size, extra_inflight, num_engines, ckpt_every, rng)
+    every trained group satisfies t - max_staleness <= head_version <= t, and no group is ever from the future."""
+    run = _make_run(max_staleness, batch_size, extra_inflight, num_engines, ckpt_every, rng)
     run.run(target_version=8, crashes=[])
     run.check_final()
     assert run.steps == 8
@@ -422,7 +434,7 @@ _crash = st.tuples(st.floats(0.0, 60.0), st.sampled_from(["engine", "trainer"]),
 @settings(max_examples=150, deadline=None)
 @given(**_timing, crashes=st.lists(_crash, min_size=1, max_size=4))
 def test_with_crashes_and_restores_the_window_holds_and_the_run_recovers(
-    eta: int,
+    max_staleness: int,
     batch_size: int,
     extra_inflight: int,
     num_engines: int,
@@ -433,7 +445,7 @@ def test_with_crashes_and_restores_the_window_holds_and_the_run_recovers(
     """Engine crashes (redelivery) and trainer crashes (restore to an older checkpoint): admission holds
     at every issue, every trained group is inside the window, groups from the lost future are recycled,
     nothing is lost or trained twice, and after the last crash the run still reaches version 8."""
-    run = _make_run(eta, batch_size, extra_inflight, num_engines, ckpt_every, rng)
+    run = _make_run(max_staleness, batch_size, extra_inflight, num_engines, ckpt_every, rng)
     run.run(target_version=8, crashes=crashes)
     run.check_final()
     if not any(kind == "trainer" for _, kind, _ in crashes):
@@ -443,7 +455,9 @@ def test_with_crashes_and_restores_the_window_holds_and_the_run_recovers(
 def test_a_restore_to_an_older_checkpoint_recycles_future_groups() -> None:
     """Deterministic scenario: the trainer reaches v2, crashes and is restored at v0 (no checkpoint since);
     groups generated at v1/v2 come back as ``future`` and are re-issued, and the run still reaches v3."""
-    run = _Run(eta=2, batch_size=2, max_inflight=6, num_engines=2, ckpt_every=100, rng=random.Random(7))
+    run = _Run(
+        max_staleness=2, batch_size=2, max_inflight=6, num_engines=2, ckpt_every=100, rng=random.Random(7)
+    )
     run.run(target_version=2, crashes=[])
     run.run(target_version=3, crashes=[(run.now, "trainer", 0)])
     run.check_final()
@@ -452,8 +466,8 @@ def test_a_restore_to_an_older_checkpoint_recycles_future_groups() -> None:
     assert run.trainer_version >= 3
 
 
-@pytest.mark.parametrize("eta", [0, 1, 4])
-def test_with_strict_timings_the_guard_never_fires(eta: int) -> None:
+@pytest.mark.parametrize("max_staleness", [0, 1, 4])
+def test_with_strict_timings_the_guard_never_fires(max_staleness: int) -> None:
     """Generation, reward and sync all take the same time: admission alone keeps every group fresh."""
 
     class _Fixed(random.Random):
@@ -463,7 +477,14 @@ def test_with_strict_timings_the_guard_never_fires(eta: int) -> None:
         def random(self) -> float:
             return 0.5
 
-    run = _Run(eta=eta, batch_size=3, max_inflight=(eta + 1) * 3, num_engines=2, ckpt_every=1, rng=_Fixed(0))
+    run = _Run(
+        max_staleness=max_staleness,
+        batch_size=3,
+        max_inflight=(max_staleness + 1) * 3,
+        num_engines=2,
+        ckpt_every=1,
+        rng=_Fixed(0),
+    )
     run.run(target_version=10, crashes=[])
     run.check_final()
     assert sum(run.recycled.values()) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_async.engines import logprobs
 from areal_async.engines.logprobs import pick_logprob_fn, token_logprobs, token_logprobs_lse
 
 
@@ -31,6 +32,22 @@ def test_logsumexp_form_matches_log_softmax_form(temperature: float) -> None:
     lp, ent = results[0][:2]
     assert (lp <= 0).all() and (ent > 0).all()
     assert lp[3] > -1e-2, "row 3 was meant to be near-certain"
+
+
+@pytest.mark.parametrize("form", [token_logprobs, token_logprobs_lse])
+def test_entropy_in_row_blocks_equals_the_whole_matrix_formula(
+    form: logprobs.LogprobFn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With more rows than one entropy block, every row's entropy is still -sum(p log p) of its own
+    logits at the temperature (blocks of the logits and of their logsumexp stay aligned)."""
+    monkeypatch.setattr(logprobs, "ENTROPY_ROWS", 3)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(8, 16)
+    targets = torch.randint(0, 50, (8,))
+    _, entropy = form(hidden, targets, head, 0.7, True)
+    logp = torch.log_softmax(head(hidden) / 0.7, dim=-1)
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=1e-6)
 
 
 def test_cpu_picks_the_torch_forms_and_refuses_the_triton_kernel() -> None:

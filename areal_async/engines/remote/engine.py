@@ -1,0 +1,430 @@
+"""RemoteEngine: the InferenceEngine on HTTP servers of any API (the contract: remote/__init__.py).
+
+Here: the public API (start, generate, load_weights, health, aclose), the attempt loop of one request
+and the HTTP control helpers. A subclass speaks one server API through the hooks `_describe`,
+`_stream`, `_pause`, `_reload`, `_reset_cache`, `_resume` (optionally `_prepare_weights`,
+`_weights_released`, `_check_request`). Routing and server health: pool.py; the load gate and the
+open streams: gate.py; a request's progress across attempts: continuation.py.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+import structlog
+
+from areal_async.engines.base import (
+    EngineClosedError,
+    GenerationRequest,
+    GenerationResult,
+    InferenceEngine,
+)
+from areal_async.engines.remote.continuation import Attempt, Continuation
+from areal_async.engines.remote.gate import Gate
+from areal_async.engines.remote.pool import Server, ServerPool
+from areal_async.engines.remote.wire import (
+    Piece,
+    RemoteRequestError,
+    ServerUnavailable,
+    iter_sse_json,
+    raise_for_status,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+log = structlog.get_logger(__name__)
+
+
+class RemoteEngine(InferenceEngine):
+    """Base of the HTTP engines; subclasses speak one server API (see engines/remote/__init__.py)."""
+
+    kind: str = "remote"
+
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        *,
+        engine_id: str | None = None,
+        version: int = 0,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        control_timeout_s: float = 300.0,
+        startup_timeout_s: float = 60.0,
+        server_wait_s: float = 300.0,
+        health_interval_s: float = 2.0,
+        max_retries: int = 5,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        for name, value in (
+            ("connect_timeout_s", connect_timeout_s),
+            ("read_timeout_s", read_timeout_s),
+            ("control_timeout_s", control_timeout_s),
+            ("server_wait_s", server_wait_s),
+            ("health_interval_s", health_interval_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if startup_timeout_s < 0:
+            raise ValueError(f"startup_timeout_s must be >= 0, got {startup_timeout_s!r}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries!r}")
+        self.engine_id = engine_id or f"{self.kind}-{uuid.uuid4().hex[:8]}"
+        self._log = log.bind(engine_id=self.engine_id, kind=self.kind)
+        self.gate = Gate()
+        self.pool = ServerPool(
+            server_urls,
+            kind=self.kind,
+            control=self,
+            gate=self.gate,
+            version=version,
+            health_interval_s=health_interval_s,
+            log=self._log,
+        )
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.server_wait_s = server_wait_s
+        self.health_interval_s = health_interval_s
+        self.max_retries = max_retries
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._status = "created"
+        self._closing = False
+        self.requests_done = 0
+        self.tokens_received = 0
+        self.tokens_generated = 0
+        self.interruptions = 0
+        self.weight_loads = 0
+
+    # ------------------------------------------------------------- server API (subclasses)
+
+    @abc.abstractmethod
+    async def _describe(self, server: Server) -> None:
+        """Check the server is up and configured as we need; fill `server.info` / `initial_path`.
+
+        Raises ServerUnavailable when it does not answer, ConfigError when it is misconfigured.
+        """
+
+    @abc.abstractmethod
+    def _stream(self, server: Server, request: GenerationRequest, attempt: Attempt) -> AsyncIterator[Piece]:
+        """Stream one attempt of `request`: yields the tokens as they arrive (an async generator)."""
+
+    @abc.abstractmethod
+    async def _pause(self, server: Server) -> None:
+        """Stop generating and abort every request on the server."""
+
+    @abc.abstractmethod
+    async def _reload(self, server: Server, path: str, version: int) -> None:
+        """Load the safetensors checkpoint directory `path` into the (paused) server."""
+
+    @abc.abstractmethod
+    async def _reset_cache(self, server: Server) -> None:
+        """Drop KV / prefix caches built with the old weights."""
+
+    @abc.abstractmethod
+    async def _resume(self, server: Server) -> None:
+        """Let the server generate again."""
+
+    async def _prepare_weights(self, path: str, version: int) -> str:
+        """The directory the servers should load for checkpoint `path` (default: `path` itself)."""
+        return path
+
+    async def _weights_released(self, path: str) -> None:  # noqa: B027 (optional hook)
+        """`path` (from _prepare_weights) is no longer served by any server."""
+
+    async def _is_healthy(self, server: Server) -> bool:
+        try:
+            response = await self.client.get(f"{server.url}/health", timeout=self.connect_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def _check_request(self, request: GenerationRequest) -> None:  # noqa: B027 (optional hook)
+        """Reject what this server kind cannot do exactly (ValueError naming the field and the fix)."""
+
+    # ------------------------------------------------------------------- public API
+
+    @property
+    def version(self) -> int:
+        return self.pool.version
+
+    @property
+    def servers(self) -> list[Server]:
+        return self.pool.servers
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise EngineClosedError(f"engine {self.engine_id} is not started; call `await engine.start()`")
+        return self._client
+
+    async def start(self) -> None:
+        if self._client is not None:
+            return
+        timeout = httpx.Timeout(
+            connect=self.connect_timeout_s, read=self.read_timeout_s, write=30.0, pool=None
+        )
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport)
+        self.gate.wake()
+        servers = self.servers
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            while True:
+                for server in servers:
+                    if not server.alive:
+                        await self.pool.start(server)
+                if all(s.alive for s in servers):
+                    break
+                if time.monotonic() >= deadline:
+                    if any(s.alive for s in servers):
+                        break
+                    raise RuntimeError(
+                        f"{self.kind} engine {self.engine_id}: no server answered within "
+                        f"{self.startup_timeout_s:.0f} s ({self.pool.errors()}); start the servers "
+                        "(scripts/serve_vllm.sh for vLLM) or fix rollout.server_urls"
+                    )
+                await anyio.sleep(min(1.0, self.health_interval_s))
+        except BaseException:
+            await self._client.aclose()
+            self._client = None
+            raise
+        self._status = "running"
+        self._log.info(
+            "engine started",
+            servers=[s.url for s in servers],
+            alive=[s.url for s in servers if s.alive],
+            version=self.pool.version,
+        )
+
+    async def aclose(self) -> None:
+        if self._status == "closed":
+            return
+        self._closing = True
+        self.gate.wake()  # waiters wake up and see _closing
+        self.gate.cancel()
+        with anyio.move_on_after(10):
+            await self.gate.wait_idle()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        self._status = "closed"
+        self._log.info("engine closed", requests_done=self.requests_done, tokens=self.tokens_generated)
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        if not requests:
+            return []
+        for request in requests:
+            self._check_request(request)
+        self._ensure_running()
+        results: list[GenerationResult | None] = [None] * len(requests)
+        errors: list[BaseException] = []
+
+        async def complete(index: int, request: GenerationRequest, tg: anyio.abc.TaskGroup) -> None:
+            try:
+                results[index] = await self._complete(request)
+            except Exception as exc:  # the first failure fails the call; the rest are cancelled
+                errors.append(exc)
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for index, request in enumerate(requests):
+                tg.start_soon(complete, index, request, tg)
+        if errors:
+            raise errors[0]
+        assert all(r is not None for r in results)
+        return list(results)  # type: ignore[arg-type]
+
+    async def load_weights(
+        self, version: int, location: str | os.PathLike[str] | Mapping[str, torch.Tensor]
+    ) -> float:
+        if isinstance(location, Mapping):
+            raise ValueError(
+                f"{type(self).__name__} loads weights from a safetensors directory the servers can read, "
+                "not an in-memory state dict; save it with save_pretrained() and pass the directory"
+            )
+        self._ensure_running()
+        pool = self.pool
+        started = time.perf_counter()
+        path = await self._prepare_weights(os.fspath(location), version)
+        prepared_s = time.perf_counter() - started
+        async with pool.load_lock:
+            self.gate.close()
+            try:
+                interrupted = await self.gate.drain()
+                drained_s = time.perf_counter() - started - prepared_s
+                targets = [s for s in pool.servers if s.alive]
+                async with anyio.create_task_group() as tg:
+                    for server in targets:
+                        tg.start_soon(pool.sync, server, path, version)
+                loaded = [s for s in targets if s.version == version]
+                if not loaded:
+                    raise RuntimeError(
+                        f"{self.kind} engine {self.engine_id}: no server loaded weights v{version} from "
+                        f"{path} ({pool.errors()}); the path must be a safetensors directory "
+                        "readable by the servers"
+                    )
+                pool.version = version
+                previous, pool.weights_path = pool.weights_path, path
+                self.weight_loads += 1
+            finally:
+                self.gate.open()
+        seconds = time.perf_counter() - started
+        if previous is not None and previous != path:  # revivals load the current path, never this one
+            await self._weights_released(previous)
+        self._log.info(
+            "weights loaded",
+            policy_version=version,
+            seconds=round(seconds, 4),
+            prepare_s=round(prepared_s, 4),
+            drain_s=round(drained_s, 4),
+            interrupted=interrupted,
+            servers=len(loaded),
+            out_of_sync=[s.url for s in pool.servers if s.version != version],
+        )
+        return seconds
+
+    async def health(self) -> dict[str, Any]:
+        servers = self.servers
+        usable = [s for s in servers if self.pool.is_usable(s)]
+        if self._status == "running":
+            status = "running" if len(usable) == len(servers) else ("degraded" if usable else "down")
+        else:
+            status = self._status
+        return {
+            "engine_id": self.engine_id,
+            "kind": self.kind,
+            "version": self.pool.version,
+            "status": status,
+            "inflight": self.gate.inflight,
+            "requests_done": self.requests_done,
+            "tokens_received": self.tokens_received,
+            "tokens_generated": self.tokens_generated,
+            "interruptions": self.interruptions,
+            "weight_loads": self.weight_loads,
+            "servers": [s.describe() for s in servers],
+        }
+
+    # ----------------------------------------------------------------- one request
+
+    async def _complete(self, request: GenerationRequest) -> GenerationResult:
+        progress = Continuation(request)
+        while progress.finish is None:
+            server, version, scope = await self._acquire(request)
+            attempt = progress.next_attempt()
+            failed = False
+            try:
+                with scope:
+                    async with contextlib.aclosing(self._stream(server, request, attempt)) as pieces:
+                        async for piece in pieces:
+                            self.tokens_received += progress.add(piece, version)
+                            if progress.finish is not None or piece.finish_reason == "abort":
+                                break
+                        else:
+                            if progress.finish is None:
+                                raise ServerUnavailable("stream ended without a finish reason")
+            except (ServerUnavailable, httpx.HTTPError) as exc:
+                failed = True
+                self.pool.mark_failed(server, exc)
+            except RemoteRequestError as exc:
+                raise RemoteRequestError(f"request {request.request_id}: {exc}") from None
+            finally:
+                self.gate.leave(server, scope)
+            progress.end_attempt(interrupted=scope.cancelled_caught)
+            if progress.failures_in_row > self.max_retries:
+                reason = "failed" if failed else "was aborted by the server"
+                raise RuntimeError(
+                    f"request {request.request_id}: {progress.failures_in_row} attempts in a row {reason} "
+                    f"without a new token ({self.pool.errors()}); check the servers' logs"
+                )
+        self.requests_done += 1
+        self.tokens_generated += len(progress.tokens)
+        self.interruptions += progress.interruptions
+        return progress.result()
+
+    async def _acquire(self, request: GenerationRequest) -> tuple[Server, int, anyio.CancelScope]:
+        """Wait for an open gate and a usable server; count the attempt in flight (no await after)."""
+        deadline: float | None = None
+        while True:
+            if self._closing:
+                raise EngineClosedError(f"engine {self.engine_id} closed before request {request.request_id}")
+            if not self.gate.is_open:
+                await self.gate.wait()
+                continue
+            await self.pool.probe_due()
+            if self._closing or not self.gate.is_open:
+                continue
+            server = self.pool.pick()
+            if server is not None:
+                return server, self.pool.version, self.gate.enter(server)
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.server_wait_s
+                self._log.warning("no usable server; waiting", request_id=request.request_id)
+            elif now >= deadline:
+                raise RuntimeError(
+                    f"request {request.request_id}: no usable {self.kind} server for "
+                    f"{self.server_wait_s:.0f} s ({self.pool.errors()}); restart the servers"
+                )
+            await anyio.sleep(min(self.health_interval_s, max(0.01, deadline - now)))
+
+    def _ensure_running(self) -> None:
+        if self._closing or self._status == "closed":
+            raise EngineClosedError(f"engine {self.engine_id} is closed")
+        if self._client is None:
+            raise EngineClosedError(f"engine {self.engine_id} is not started; call `await engine.start()`")
+
+    # ------------------------------------------------------------------ HTTP helpers
+
+    async def _post(
+        self,
+        server: Server,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
+        what: str | None = None,
+    ) -> httpx.Response:
+        """POST a control call; 4xx -> RemoteRequestError, 5xx/transport -> ServerUnavailable."""
+        what = what or f"POST {server.url}{path}"
+        try:
+            response = await self.client.post(
+                f"{server.url}{path}", json=body, params=params, timeout=self.control_timeout_s
+            )
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+        await raise_for_status(response, what)
+        return response
+
+    @contextlib.asynccontextmanager
+    async def _post_events(
+        self, server: Server, path: str, body: Any
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """POST a streaming request; the JSON events of its server-sent-events reply."""
+        async with self.client.stream("POST", f"{server.url}{path}", json=body) as response:
+            await raise_for_status(response, f"POST {server.url}{path}")
+            yield iter_sse_json(response)
+
+    async def _get_json(self, server: Server, path: str, *, params: Mapping[str, str] | None = None) -> Any:
+        what = f"GET {server.url}{path}"
+        try:
+            response = await self.client.get(
+                f"{server.url}{path}", params=params, timeout=self.control_timeout_s
+            )
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+        await raise_for_status(response, what)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise ServerUnavailable(f"{what}: not JSON: {response.text[:200]!r}") from exc

@@ -1,0 +1,227 @@
+"""The servers behind one remote engine, the weights they must serve, and their health.
+
+- `version` / `weights_path`: the weights every server must hold to serve. A server is usable when it
+  is alive and holds `version`; `pick()` returns the usable one with the fewest streams in flight
+  (ties: round robin).
+- `mark_failed()`: the server is dead; its open streams are cut (their requests continue elsewhere from
+  the tokens received so far) and it is probed again `health_interval_s` later.
+- `probe_due()`: dead or out-of-sync servers whose probe is due are probed (one prober at a time); one
+  that answers is described again (it may have restarted with another configuration) and brought to
+  the current weights under `load_lock` before it serves.
+- `start()` / `sync()`: describe a server, then pause -> reload -> reset cache -> resume it. It is in
+  sync only if every step before resume succeeded; a failed resume marks it dead. Server errors are
+  recorded on the server (`last_error`), never raised.
+
+The control calls themselves (`ServerControl`) belong to the engine of each server API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+import httpx
+
+from areal_async.engines.remote.wire import RemoteRequestError, ServerUnavailable
+from areal_async.errors import ConfigError
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
+
+    from areal_async.engines.remote.gate import Gate
+
+
+@dataclass(eq=False)
+class Server:
+    """What the engine knows about one server. `version` = -1: its weights are unknown."""
+
+    url: str
+    alive: bool = False
+    version: int = -1
+    inflight: int = 0
+    attempts: int = 0
+    failures: int = 0
+    last_error: str = ""
+    initial_path: str | None = None
+    """The checkpoint the server was started with (re-loaded on revival before any load_weights)."""
+    next_probe_at: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "alive": self.alive,
+            "version": self.version,
+            "inflight": self.inflight,
+            "attempts": self.attempts,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
+
+
+class ServerControl(Protocol):
+    """The control calls of one server API (RemoteEngine's hooks; see engines/remote/engine.py)."""
+
+    async def _describe(self, server: Server) -> None: ...
+    async def _is_healthy(self, server: Server) -> bool: ...
+    async def _pause(self, server: Server) -> None: ...
+    async def _reload(self, server: Server, path: str, version: int) -> None: ...
+    async def _reset_cache(self, server: Server) -> None: ...
+    async def _resume(self, server: Server) -> None: ...
+
+
+def normalize_urls(server_urls: Sequence[str], *, kind: str) -> list[str]:
+    """Validated, de-duplicated base URLs without a trailing slash."""
+    if isinstance(server_urls, str):
+        server_urls = [server_urls]
+    urls = [str(u).strip().rstrip("/") for u in server_urls]
+    if not urls:
+        raise ConfigError(
+            f"rollout.server_urls is empty; rollout.engine={kind} needs at least one server URL, "
+            "e.g. --set 'rollout.server_urls=[\"http://127.0.0.1:8011\"]'"
+        )
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.server_urls: {url!r} is not an http(s) URL (e.g. http://host:8011)")
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"rollout.server_urls lists a server twice: {urls}")
+    return urls
+
+
+class ServerPool:
+    """The servers of one engine and the weights (`version`, `weights_path`) they must serve."""
+
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        *,
+        kind: str,
+        control: ServerControl,
+        gate: Gate,
+        version: int,
+        health_interval_s: float,
+        log: FilteringBoundLogger,
+    ) -> None:
+        self.servers = [Server(url) for url in normalize_urls(server_urls, kind=kind)]
+        self.version = version
+        self.weights_path: str | None = None
+        """The directory the servers were last told to load (None: each keeps its start-up checkpoint)."""
+        self.load_lock = anyio.Lock()
+        """Held while servers' weights change, by a weight load or a revival."""
+        self.health_interval_s = health_interval_s
+        self._control = control
+        self._gate = gate
+        self._log = log
+        self._probe_lock = anyio.Lock()
+        self._next_server = 0
+
+    def is_usable(self, server: Server) -> bool:
+        return server.alive and server.version == self.version
+
+    def pick(self) -> Server | None:
+        usable = [s for s in self.servers if self.is_usable(s)]
+        if not usable:
+            return None
+        fewest = min(s.inflight for s in usable)
+        candidates = [s for s in usable if s.inflight == fewest]
+        server = candidates[self._next_server % len(candidates)]
+        self._next_server += 1
+        return server
+
+    def errors(self) -> str:
+        """Each server's state and last error, for error messages."""
+        parts = []
+        for s in self.servers:
+            state = "ok" if self.is_usable(s) else ("out of sync" if s.alive else "dead")
+            parts.append(f"{s.url}: {state}" + (f", last error: {s.last_error}" if s.last_error else ""))
+        return "; ".join(parts)
+
+    def mark_failed(self, server: Server, exc: BaseException) -> None:
+        server.failures += 1
+        server.last_error = f"{type(exc).__name__}: {exc}"
+        if server.alive:
+            self._log.warning("server failed; marked dead", url=server.url, error=server.last_error)
+        server.alive = False
+        server.next_probe_at = time.monotonic() + self.health_interval_s
+        # Its other streams may hang rather than fail: cut them now; they continue elsewhere.
+        self._gate.cancel(server)
+
+    async def start(self, server: Server) -> None:
+        """Describe the server, then load the weights this engine serves: a server used by an
+        earlier run (or left paused by a crashed engine) may hold other weights."""
+        try:
+            await self._control._describe(server)
+        except ServerUnavailable as exc:
+            server.last_error = str(exc)
+            return
+        except httpx.HTTPError as exc:
+            server.last_error = f"{type(exc).__name__}: {exc}"
+            return
+        path = self.weights_path or server.initial_path
+        if path is None:
+            server.last_error = "its initial checkpoint is unknown; cannot tell which weights it serves"
+            return
+        server.alive = True
+        server.last_error = ""
+        await self.sync(server, path, self.version)
+
+    async def probe_due(self) -> None:
+        """Probe dead / out-of-sync servers whose probe is due; bring a live one to current weights."""
+        now = time.monotonic()
+        due = [s for s in self.servers if not self.is_usable(s) and s.next_probe_at <= now]
+        if not due or self._probe_lock.locked():
+            return
+        async with self._probe_lock:
+            for server in due:
+                server.next_probe_at = time.monotonic() + self.health_interval_s
+                if not await self._control._is_healthy(server):
+                    continue
+                try:  # it may have restarted with another configuration
+                    await self._control._describe(server)
+                except (ServerUnavailable, RemoteRequestError, httpx.HTTPError) as exc:
+                    server.last_error = f"{type(exc).__name__}: {exc}"
+                    continue
+                except ConfigError as exc:
+                    server.last_error = str(exc)
+                    self._log.error(
+                        "revived server is misconfigured; not used", url=server.url, error=str(exc)
+                    )
+                    continue
+                async with self.load_lock:
+                    if self.is_usable(server):
+                        continue
+                    path = self.weights_path or server.initial_path
+                    if path is None:
+                        server.last_error = (
+                            "revived, but its initial checkpoint is unknown; restart the engine"
+                        )
+                        continue
+                    server.alive = True
+                    await self.sync(server, path, self.version)
+                if self.is_usable(server):
+                    self._log.info("server revived", url=server.url, policy_version=self.version)
+
+    async def sync(self, server: Server, path: str, version: int) -> None:
+        """pause -> reload -> reset cache -> resume on one server; marks it in sync or not."""
+        server.version = -1
+        step = "pause"
+        try:
+            await self._control._pause(server)
+            step = "reload"
+            await self._control._reload(server, path, version)
+            step = "reset cache"
+            await self._control._reset_cache(server)
+            server.version = version
+        except (ServerUnavailable, RemoteRequestError, httpx.HTTPError) as exc:
+            server.last_error = f"{step}: {type(exc).__name__}: {exc}"
+            self._log.error(
+                "weights sync failed", url=server.url, policy_version=version, error=server.last_error
+            )
+        finally:
+            try:
+                await self._control._resume(server)
+            except (ServerUnavailable, RemoteRequestError, httpx.HTTPError) as exc:
+                self.mark_failed(server, exc)

@@ -1,0 +1,197 @@
+"""Asynchronous vs synchronous RL: the same run at several staleness bounds (a small AReaL Table 2).
+
+For each eta in ``--etas`` (decoupled PPO) and each eta in ``--naive-etas`` (decoupled loss
+off: plain PPO against the behaviour logprobs) the script runs the job with
+``areal-async run``, generation and training pinned to separate CPU cores
+(``AREAL_CPU_AFFINITY``, so they behave like separate devices), and reports:
+
+- trained tokens/s (completion tokens trained / wall time from the first to the last step)
+- seconds per step, time to reach ``--target`` eval accuracy, final eval accuracy
+- staleness mean/max over trained groups
+- bus share: seconds the trainer spent publishing and decoding events / step time
+- the ideal overlap bound (t_gen + t_train) / max(t_gen, t_train) from the eta = 0 run's own
+  phase times (t_gen = the trainer's wait for data, t_train = compute + weight snapshot), and each
+  run's speed-up over, and share of, that bound; decoupled and naive runs each against their own
+  eta = 0 run (the naive loss has no pi_prox forward, so its steps are shorter)
+
+    python -m benchmarks.bench_async --set weight_sync.dir=/dev/shm/areal-{name}   # baseline
+    python -m benchmarks.bench_async --config tiny.yaml --etas 0,2 --naive-etas "" --steps 20 --out /tmp/b
+
+Writes ``result.json`` (benchmarks.harness layout) and ``bench_async.png`` into ``--out`` with each
+run's directory; ``--save-baseline`` makes the result the baseline of its hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_async.config import load_config
+from benchmarks import harness
+from workers.report import read_jsonl
+
+REPO = harness.REPO
+
+METRICS: dict[str, harness.Direction] = {
+    "trained_tokens_per_s": "higher",
+    "seconds_per_step": "lower",
+    "speedup_vs_eta0": "higher",
+    "time_to_target_s": "lower",
+    "final_eval_accuracy": "higher",
+}
+"""What report --check compares (rows: one per run, ``eta<N>`` and ``naive-eta<N>``)."""
+
+
+def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> dict[str, Any]:
+    run_dir = args.out / label
+    overrides = [
+        f"name=bench-{label}",
+        f"dir={run_dir}",
+        f"rollout.max_staleness={eta}",
+        f"trainer.total_steps={args.steps}",
+        f"trainer.loss.decoupled={'true' if decoupled else 'false'}",
+        "checkpoint.every_steps=1000",
+        *args.set,
+    ]
+    cmd = [sys.executable, "-m", "workers", "run", str(args.config), "--no-live"]
+    for o in overrides:
+        cmd += ["--set", o]
+    env = {**os.environ, "AREAL_CPU_AFFINITY": args.affinity, "PYTHONUNBUFFERED": "1"}
+    started = time.time()
+    with open(args.out / f"{label}.log", "wb") as log:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if not args.keep_weights:
+        # A run ends with a checkpoint and its last published versions (~2.6 GB for SmolLM2 with
+        # its optimizer); a full sweep would otherwise fill a small disk or a tmpfs.
+        for path in (run_dir / "checkpoints", load_config(args.config, overrides).weights_root):
+            shutil.rmtree(path, ignore_errors=True)
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    row: dict[str, Any] = {
+        "case": label,
+        "label": label,
+        "eta": eta,
+        "decoupled": decoupled,
+        "returncode": rc,
+    }
+    if len(steps) < 2:
+        return row
+    span = steps[-1]["time"] - (steps[0]["time"] - steps[0]["step_s"])
+    tokens = sum(s.get("loss_tokens", 0.0) for s in steps)
+    step_s = sum(s["step_s"] for s in steps)
+    reached = [e["time"] - started for e in evals if e["eval/accuracy"] >= args.target]
+    row.update(
+        steps=len(steps),
+        trained_tokens_per_s=tokens / span,
+        seconds_per_step=span / len(steps),
+        time_to_target_s=min(reached) if reached else None,
+        final_eval_accuracy=evals[-1]["eval/accuracy"] if evals else None,
+        eval_curve=[(e["policy_version"], e["eval/accuracy"]) for e in evals],
+        staleness_mean=sum(s["staleness_mean"] for s in steps) / len(steps),
+        staleness_max=max(s["staleness_max"] for s in steps),
+        bus_share=sum(s.get("bus_s", 0.0) for s in steps) / step_s,
+        t_gen=sum(s["wait_s"] for s in steps) / len(steps),
+        t_train=sum(s["compute_s"] + s["save_s"] for s in steps) / len(steps),
+        wall_s=time.time() - started,
+    )
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'run':<14}{'tok/s':>9}{'s/step':>8}{'to target':>10}{'final acc':>10}{'stale':>12}{'bus %':>7}"
+    lines = [head]
+    for r in rows:
+        if "steps" not in r:
+            lines.append(f"{r['label']:<14} failed (exit {r['returncode']})")
+            continue
+        tt = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "-"
+        acc = f"{r['final_eval_accuracy']:.3f}" if r["final_eval_accuracy"] is not None else "-"
+        lines.append(
+            f"{r['label']:<14}{r['trained_tokens_per_s']:>9.1f}{r['seconds_per_step']:>8.2f}{tt:>10}{acc:>10}"
+            f"{r['staleness_mean']:>7.2f}/{r['staleness_max']:<4.0f}{100 * r['bus_share']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "steps" in r]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar([r["label"] for r in ok], [r["trained_tokens_per_s"] for r in ok])
+    a.set_ylabel("trained tokens/s")
+    a.tick_params(axis="x", rotation=30)
+    for r in ok:
+        xs, ys = zip(*r["eval_curve"], strict=True) if r["eval_curve"] else ((), ())
+        b.plot(xs, ys, marker="o", label=r["label"])
+    b.set_xlabel("policy version")
+    b.set_ylabel("eval accuracy")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out / "bench_async.png", dpi=80)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=REPO / "configs" / "arith_cpu.yaml")
+    p.add_argument("--etas", default="0,1,2,4", help="decoupled PPO runs")
+    p.add_argument("--naive-etas", default="0,4,8", help="runs with the decoupled loss off ('' = none)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--target", type=float, default=0.5, help="eval accuracy for time-to-target")
+    p.add_argument(
+        "--affinity",
+        default="generation=0;trainer=1;trainer.io=0",
+        help="AREAL_CPU_AFFINITY for every run (trainer.io: the trainer's weight writer thread)",
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
+    p.add_argument(
+        "--out", type=Path, default=REPO / "runs" / "bench-async", help="run dirs, result.json, the plot"
+    )
+    p.add_argument("--save-baseline", action="store_true", help="also write the result as the baseline")
+    p.add_argument(
+        "--keep-weights",
+        action="store_true",
+        help="keep each run's checkpoints and published weights (default: deleted once summarised)",
+    )
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = [(f"eta{e}", int(e), True) for e in args.etas.split(",") if e.strip()]
+    plan += [(f"naive-eta{e}", int(e), False) for e in args.naive_etas.split(",") if e.strip()]
+    rows = []
+    for label, eta, decoupled in plan:
+        rows.append(run_one(args, label, eta, decoupled))
+        print(table(rows), flush=True)
+    for decoupled in (True, False):
+        family = [r for r in rows if r.get("decoupled") == decoupled and "steps" in r]
+        base = next((r for r in family if r["eta"] == 0), None)
+        if base is None:
+            continue
+        # Each loss against its own eta = 0 run: the naive loss skips the pi_prox forward, so its
+        # steps are shorter and its bound differs.
+        bound = (base["t_gen"] + base["t_train"]) / max(base["t_gen"], base["t_train"], 1e-9)
+        name = "decoupled" if decoupled else "naive"
+        print(f"\n{name}: ideal overlap bound from its eta=0 phases: {bound:.2f}x")
+        for r in family:
+            r["ideal_overlap_bound"] = bound
+            r["speedup_vs_eta0"] = r["trained_tokens_per_s"] / base["trained_tokens_per_s"]
+            r["share_of_ideal"] = r["speedup_vs_eta0"] / bound
+            print(
+                f"{r['label']:<14} speedup {r['speedup_vs_eta0']:.2f}x  ({100 * r['share_of_ideal']:.0f}% of ideal)"
+            )
+    plot(rows, args.out)
+    device = load_config(args.config, args.set).trainer.device
+    result = harness.make_result("async", args, rows, METRICS, device=device, drop=("keep_weights",))
+    harness.emit(result, args.out / "result.json", args.save_baseline)
+
+
+if __name__ == "__main__":
+    main()

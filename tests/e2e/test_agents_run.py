@@ -1,0 +1,113 @@
+"""Whole multi-turn runs: agent workers, generation workers answering their calls, the trainer.
+
+The tiny model is warm-started on mode_select in the chat format (two answer modes, first-try
+greedy accuracy near 50%). With ``multi_turn`` a wrong answer gets a feedback message and a second
+try; the episode reward discounts the second turn. RL must make the first answer right more often.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.jobs import (
+    committed_steps,
+    finish_job,
+    read_steps,
+    read_stream,
+    run_job,
+    start_job,
+    steps_done,
+    tiny_config,
+)
+
+
+def _agent_config(tmp: Path, model: Path, name: str, **extra: object) -> Path:
+    sections: dict[str, object] = {
+        "rollout__workflow": "multi_turn",
+        "rollout__group_size": 8,
+        "rollout__sampling__max_new_tokens": 4,
+        "agent__max_turns": 2,
+        "agent__call_timeout_s": 20.0,
+        "trainer__batch_size": 16,
+        "trainer__total_steps": 16,
+        "trainer__eval_every": 8,
+        "dataset__eval_size": 30,
+        "checkpoint__every_steps": 4,
+    }
+    sections.update(extra)
+    return tiny_config(tmp, model, name, **sections)
+
+
+def _check_exactly_once(steps, total_steps: int, batch_size: int) -> None:
+    final = committed_steps(steps)
+    assert sorted(final) == list(range(1, total_steps + 1))
+    ids = [t for ev in final.values() for t in ev.task_ids]
+    assert not [t for t, n in Counter(ids).items() if n > 1], "trained twice"
+    assert all(len(ev.task_ids) == batch_size for ev in final.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_multi_turn_run_learns_to_answer_right_the_first_time(
+    tmp_path: Path, tiny_chat_model: Path
+) -> None:
+    """The episode reward rises and held-out first-try accuracy improves; every step is trained
+    once, within the staleness bound."""
+    cfg = _agent_config(tmp_path, tiny_chat_model, "agents")
+    res = run_job(cfg, timeout=800)
+    assert res.returncode == 0, res.output[-4000:]
+    evals = res.evals()
+    first, last = evals[0], evals[-1]
+    print(
+        "first try {:.3f} -> {:.3f}; within 2 turns {:.3f} -> {:.3f}; {:.0f} s".format(
+            first["eval/episode/first_try"],
+            last["eval/episode/first_try"],
+            first["eval/accuracy"],
+            last["eval/accuracy"],
+            res.seconds,
+        )
+    )
+    # 20 held-out prompts are a noisy measure; the training reward over 128 episodes a step is not.
+    rewards = [m["reward_mean"] for m in res.metrics()]
+    # The first two steps train on rollouts of the warm-start policy; the last four on the RL policy.
+    early, late = rewards[:2], rewards[-4:]
+    assert sum(late) / len(late) >= sum(early) / len(early) + 0.08, rewards
+    assert max(e["eval/episode/first_try"] for e in evals[1:]) > first["eval/episode/first_try"], evals
+    steps = read_steps(res.run_dir, "agents")
+    _check_exactly_once(steps, 16, 16)
+    for ev in steps:
+        t = ev.policy_version - 1
+        assert all(t - 2 <= h <= t for h in ev.head_versions), (ev.step, ev.head_versions)
+
+
+@pytest.mark.timeout(600)
+def test_killing_an_agent_mid_episode_loses_nothing(tmp_path: Path, tiny_model: Path) -> None:
+    """SIGKILL the agent worker during a run: its tasks are redelivered to the restarted worker, the
+    run completes, nothing is trained twice and no episode of the killed worker is half-trained."""
+    cfg = _agent_config(
+        tmp_path, tiny_model, "agentkill", trainer__total_steps=6, trainer__batch_size=8, trainer__eval_every=0,
+        dataset__eval_size=4, rollout__group_size=4,
+    )  # fmt: skip
+    run_dir = tmp_path / "agentkill"
+    started = time.monotonic()
+    proc = start_job(cfg)
+    deadline = time.monotonic() + 300
+    while steps_done(run_dir) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.3)
+    pid_file = next((run_dir / "logs").glob("agent-*.jsonl"), None)
+    assert pid_file is not None, "no agent worker log"
+    agent_pid = int(pid_file.stem.rsplit("-", 1)[1])
+    os.kill(agent_pid, signal.SIGKILL)
+    res = finish_job(proc, run_dir, started, timeout=500)
+    assert res.returncode == 0, res.output[-4000:]
+    assert "agent exited with" in res.output, "the launcher did not see the agent die"
+    _check_exactly_once(read_steps(run_dir, "agentkill"), 6, 8)
+
+    letters = read_stream(run_dir, "agentkill", "DEADLETTER")
+    assert not [d for d in letters if "workflow" in d.reason], [d.reason for d in letters]

@@ -1,0 +1,171 @@
+"""Helpers for tests that run whole jobs: write a run file, run it, read what it left behind.
+
+A job runs as real processes (``python -m workers run``: an embedded nats-server and one
+process per role). After it ends, ``read_steps`` restarts a nats-server on the run's own
+JetStream store and reads every ``trainer.step`` event back, so assertions check the
+events the controller saw, not a side file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import yaml
+
+from bus import ConnectOptions, EmbeddedServer, connect
+from bus.events import TrainerStep
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_config(tmp: Path, model_dir: Path, name: str, **sections: Any) -> Path:
+    """A run file for the tiny mode-select task; ``sections`` override nested keys."""
+    cfg: dict[str, Any] = {
+        "name": name,
+        "dir": str(tmp / name),
+        "model": {"path": str(model_dir), "use_chat_template": False},
+        "dataset": {
+            "kind": "mode_select",
+            "eval_size": 30,
+            "epochs": 1000,
+            "options": {"eval_fraction": 0.3},
+        },
+        "rollout": {
+            "group_size": 8,
+            "max_staleness": 2,
+            "max_batch_size": 64,
+            "sampling": {"max_new_tokens": 4},
+        },
+        "reward": {"fn": "arithmetic_strict", "num_workers": 1, "timeout_s": 5},
+        "trainer": {
+            "batch_size": 16,
+            "total_steps": 20,
+            "micro_batch_tokens": 4096,
+            "eval_every": 5,
+            "num_threads": 1,
+            "optimizer": {"lr": 3.0e-4},
+        },
+        "checkpoint": {"every_steps": 5},
+        "bus": {"ack_wait_s": 15},
+        "logging": {"format": "json", "tensorboard": True},
+    }
+    for key, value in sections.items():
+        node = cfg
+        *path, last = key.split("__")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@dataclass
+class JobResult:
+    run_dir: Path
+    returncode: int
+    output: str
+    seconds: float
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return _jsonl(self.run_dir / "metrics.jsonl")
+
+    def evals(self) -> list[dict[str, Any]]:
+        return _jsonl(self.run_dir / "eval.jsonl")
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_job(config: Path, *overrides: str) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "workers", "run", str(config), "--no-live"]
+    for o in overrides:
+        args += ["--set", o]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish_job(proc: subprocess.Popen[bytes], run_dir: Path, started: float, timeout: float) -> JobResult:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    text = out.decode(errors="replace")
+    (run_dir / "job.out").parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / "job.out").write_text(text)
+    return JobResult(run_dir, proc.returncode, text, time.monotonic() - started)
+
+
+def run_job(config: Path, *overrides: str, timeout: float = 600) -> JobResult:
+    from areal_async.config import load_config
+
+    run_dir = load_config(config, overrides).run_dir
+    started = time.monotonic()
+    return finish_job(start_job(config, *overrides), run_dir, started, timeout)
+
+
+def steps_done(run_dir: Path) -> int:
+    """Training steps the trainer has logged so far (lines of ``metrics.jsonl``)."""
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def read_stream(run_dir: Path, run_name: str, key: str, event_type: type[Any] | None = None) -> list[Any]:
+    """Every event stored in one of the run's JetStream streams (``key``: STEPS, DEADLETTER, ...)."""
+    from nats.js.errors import NotFoundError
+
+    from bus.events import decode
+
+    async def _read(url: str) -> list[Any]:
+        bus = await connect(ConnectOptions(url=url, name="test-reader"), run_name)
+        try:
+            spec = bus.subjects.stream(key)
+            info = await bus.js.stream_info(spec.name)
+            out = []
+            if not info.state.messages:  # an empty stream reports first_seq 0 (or last_seq + 1)
+                return out
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                try:
+                    raw = await bus.js.get_msg(spec.name, seq)
+                except NotFoundError:  # a message removed by the stream's limits
+                    continue
+                out.append(decode(raw.data, event_type) if event_type else decode(raw.data))
+            return out
+        finally:
+            await bus.close()
+
+    server = EmbeddedServer(run_dir / "nats")
+    server.start()
+    try:
+        assert server.url is not None
+        return anyio.run(_read, server.url, backend="asyncio")
+    finally:
+        server.stop()
+
+
+def read_steps(run_dir: Path, run_name: str) -> list[TrainerStep]:
+    """Every trainer.step event stored in the run's JetStream store, in publish order."""
+    return read_stream(run_dir, run_name, "STEPS", TrainerStep)
+
+
+def committed_steps(steps: list[TrainerStep]) -> dict[int, TrainerStep]:
+    """The surviving step of each number: a restarted trainer re-publishes lost step numbers."""
+    final: dict[int, TrainerStep] = {}
+    for ev in steps:
+        for lost in [s for s in final if s >= ev.step]:
+            del final[lost]
+        final[ev.step] = ev
+    return final

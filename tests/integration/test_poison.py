@@ -1,0 +1,139 @@
+"""The poison-message rule and quarantine at start-up, against a real nats-server.
+
+An event that decodes but cannot be acted on is dead-lettered with the reason and the worker goes
+on; restored state that fails validation is quarantined (logged, kept aside, in the dead letters),
+never a crash loop.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import anyio
+import msgpack
+import pytest
+
+from areal_async.config import build_config
+from bus import Bus
+from bus.events import Completion, DeadLetter, RolloutGroup, ScoredGroup, decode, pack_f32, pack_i32
+from bus.state import CONTROLLER, IssuedTask, RunState
+from workers.controller import Controller
+from workers.runtime import WorkerContext
+from workers.trainer import Trainer
+
+
+def _context(bus: Bus, run_name: str, tmp_path: Path, role: str) -> WorkerContext:
+    cfg = build_config(
+        {
+            "name": run_name,
+            "dir": str(tmp_path / run_name),
+            "model": {"path": str(tmp_path / "model")},
+            "dataset": {"kind": "mode_select", "eval_size": 0},
+            "trainer": {"batch_size": 2, "total_steps": 3},
+            "logging": {"tensorboard": False},
+        }
+    )
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    return WorkerContext(cfg=cfg, role=role, worker_id=f"{role}-1", bus=bus)
+
+
+async def _dead_letters(bus: Bus) -> list[DeadLetter]:
+    spec = bus.subjects.stream("DEADLETTER")
+    info = await bus.js.stream_info(spec.name)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        if info.state.messages:
+            out.append(decode((await bus.js.get_msg(spec.name, seq)).data, DeadLetter))
+    return out
+
+
+def _scored(task_id: str, *, index: int, attempt: int = 0, reward: float = 1.0) -> ScoredGroup:
+    completion = Completion(
+        token_ids=pack_i32([4, 5]),
+        logprobs=pack_f32([-0.5, -0.5]),
+        versions=pack_i32([0, 0]),
+        finish_reason="stop",
+    )
+    group = RolloutGroup(
+        task_id=task_id, kind="train", index=index, epoch=0, attempt=attempt, row={}, engine_id="g",
+        prompt_ids=pack_i32([1]), completions=[completion, completion], head_version=0, tail_version=0,
+    )  # fmt: skip
+    return ScoredGroup(group=group, rewards=[reward, 0.0], reward_errors=["", ""], reward_seconds=0.0)
+
+
+@pytest.mark.asyncio
+async def test_an_unusable_controller_state_is_quarantined_not_a_crash_loop(
+    bus_factory, run_name: str, tmp_path: Path
+) -> None:
+    """Bytes that are not the controller's state: kept aside under ``controller.quarantined``, named in
+    the dead letters, and the controller starts afresh instead of dying on every restart."""
+    bus = await bus_factory(provision=True)
+    await bus.kv_put("state", CONTROLLER, b"\x93not-a-map")
+    controller = Controller(_context(bus, run_name, tmp_path, "controller"))
+    await controller.load()
+    assert controller.state.issued == 0 and not controller.ended
+    kept = await bus.kv_get("state", CONTROLLER + ".quarantined")
+    assert kept is not None and kept.value == b"\x93not-a-map"
+    letters = await _dead_letters(bus)
+    assert any("controller state unusable" in d.reason for d in letters), [d.reason for d in letters]
+
+
+@pytest.mark.asyncio
+async def test_restored_retries_outside_the_dataset_are_dropped_and_named(
+    bus_factory, run_name: str, tmp_path: Path
+) -> None:
+    """A retry entry naming row 10**6 (the re-issue that once raised IndexError) is dropped at restore."""
+    bus = await bus_factory(provision=True)
+    first = Controller(_context(bus, run_name, tmp_path, "controller"))
+    first.state.retry.append(["e0-i1000000", 0, 1_000_000])
+    first.state.retry.append(["e0-i3", 0, 3])
+    await first.save()
+    again = Controller(_context(bus, run_name, tmp_path, "controller"))
+    await again.load()
+    assert [list(r) for r in again.state.retry] == [["e0-i3", 0, 3]]
+    assert again.dropped_on_restore == ["retry ['e0-i1000000', 0, 1000000]"]
+
+
+@pytest.mark.asyncio
+async def test_the_trainer_holds_only_issued_finite_groups(
+    bus_factory, run_name: str, tmp_path: Path
+) -> None:
+    """Unissued ids, wrong attempts and NaN rewards never reach a batch; NaN is reported for re-issue."""
+    bus = await bus_factory(provision=True)
+    state = RunState(bus)
+    for index in (1, 2, 3):
+        await state.issue(IssuedTask(task_id=f"e0-i{index}", kind="train", epoch=0, index=index, attempt=0))
+    trainer = Trainer(
+        _context(bus, run_name, tmp_path, "trainer"), SimpleNamespace(version=0), trained_ids={"e0-i3"}
+    )
+    sent = [
+        _scored("e0-i1", index=1),  # issued: held
+        _scored("forged-1", index=1),  # never issued
+        _scored("e0-i1", index=1, attempt=4),  # not the issued attempt
+        _scored("e0-i2", index=2, reward=math.nan),  # issued, non-finite: dead letter + rollout.failed
+        _scored("e0-i3", index=3),  # already trained by a committed step: duplicate
+    ]
+    for scored in sent:
+        await bus.publish(bus.subjects.rollout_scored, scored)
+    with anyio.move_on_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer.receive)
+            while len(await _dead_letters(bus)) < 3:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+            await anyio.sleep(0.3)
+            tg.cancel_scope.cancel()
+    assert list(trainer.pending) == ["e0-i1"]
+    reasons = [d.reason for d in await _dead_letters(bus)]
+    assert len(reasons) == 3, reasons
+    assert sum("never issued" in r for r in reasons) == 1
+    assert sum("attempt" in r for r in reasons) == 1
+    assert sum("non-finite" in r for r in reasons) == 1
+    failed = bus.subjects.stream("FAILED")
+    info = await bus.js.stream_info(failed.name)
+    kinds = [
+        msgpack.unpackb((await bus.js.get_msg(failed.name, s)).data)["reason"]
+        for s in range(info.state.first_seq, info.state.last_seq + 1)
+    ]
+    assert sorted(kinds) == ["duplicate", "error"]
