@@ -16,9 +16,11 @@ off: plain PPO against the behaviour logprobs) the script runs the job with
 
     python -m benchmarks.bench_async --set weight_sync.dir=/dev/shm/areal-{name}   # baseline
     python -m benchmarks.bench_async --config tiny.yaml --etas 0,2 --naive-etas "" --steps 20 --out /tmp/b
+    python -m benchmarks.bench_async --config configs/agent_cpu.yaml --naive-etas "" --etas 0,2,4   # episodes
 
 Writes ``result.json`` (benchmarks.harness layout) and ``bench_async.png`` into ``--out`` with each
-run's directory; ``--save-baseline`` makes the result the baseline of its hardware.
+run's directory; ``--save-baseline`` makes the result the baseline of its hardware (benchmark
+``async``, or ``async_agent`` for a run file whose workflow runs agent workers).
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.5, help="eval accuracy for time-to-target")
     p.add_argument(
         "--affinity",
-        default="generation=0;trainer=1;trainer.io=0",
+        default="generation=0;agent=0;trainer=1;trainer.io=0",
         help="AREAL_CPU_AFFINITY for every run (trainer.io: the trainer's weight writer thread)",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
@@ -188,8 +190,13 @@ def main() -> None:
                 f"{r['label']:<14} speedup {r['speedup_vs_eta0']:.2f}x  ({100 * r['share_of_ideal']:.0f}% of ideal)"
             )
     plot(rows, args.out)
-    device = load_config(args.config, args.set).trainer.device
-    result = harness.make_result("async", args, rows, METRICS, device=device, drop=("keep_weights",))
+    cfg = load_config(args.config, args.set)
+    # Episode workloads (agent runs) keep their own baseline beside the single-turn one.
+    name = "async_agent" if cfg.uses_agents else "async"
+    note = f"workload: {harness.repo_path(args.config)} (workflow {cfg.rollout.workflow})"
+    result = harness.make_result(
+        name, args, rows, METRICS, device=cfg.trainer.device, drop=("keep_weights",), note=note
+    )
     harness.emit(result, args.out / "result.json", args.save_baseline)
 
 

@@ -329,6 +329,9 @@ class GenerateReply(Event, kw_only=True):
     versions: bytes = b""
     finish_reason: str = ""
     error: str = ""
+    seconds: float = 0.0
+    """Time the generation worker spent on the call, from its arrival to the reply (0: not told);
+    the caller's round trip minus this is the bus's share."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ class BusClient:
         self.calls = 0
         self.retries = 0
         self.bus_s = 0.0
+        """Seconds of answered calls not spent in a generation worker (round trip - reply.seconds)."""
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, episode_id: str = "") -> Any:
         last = ""
@@ -96,6 +97,7 @@ class BusClient:
                 stop_token_ids=list(sampling.stop_token_ids),
                 seed=sampling.seed,
             )
+            sent = time.monotonic()
             try:
                 reply = await self.bus.request(self.bus.subjects.generate, call, timeout_s=self.timeout_s)
             except (TimeoutError, NoResponders) as exc:
@@ -111,6 +113,7 @@ class BusClient:
                 raise ValueError(f"unexpected reply to generation call {call.call_id}: {reply!r:.200}")
             if reply.error:
                 raise ValueError(f"generation worker {reply.engine_id} refused the call: {reply.error}")
+            self.bus_s += max(0.0, time.monotonic() - sent - reply.seconds)
             return GenerationResult(
                 request_id=call.call_id,
                 prompt_ids=tuple(prompt_ids),
@@ -282,7 +285,11 @@ class Agent:
             return
         await delivery.ack()
         self.tasks_done += 1
-        self.ctx.load = {"tasks_done": float(self.tasks_done), "calls": float(self.client.calls)}
+        self.ctx.load = {
+            "tasks_done": float(self.tasks_done),
+            "calls": float(self.client.calls),
+            "bus_s": self.client.bus_s,
+        }
         log.info(
             "episodes done",
             task_id=task.task_id,

@@ -218,6 +218,7 @@ class Generator:
         (the agent's call times out and goes to another generation worker)."""
         call = request.event
         call_id = getattr(call, "call_id", "")
+        arrived = time.monotonic()
         self.active += 1
         try:
             if not isinstance(call, GenerateCall):
@@ -240,6 +241,7 @@ class Generator:
                 logprobs=pack_f32(result.logprobs),
                 versions=pack_i32(result.versions),
                 finish_reason=result.finish_reason,
+                seconds=time.monotonic() - arrived,
             )
             self.tokens_out += len(result.token_ids)
         except ValueError as exc:

@@ -5,7 +5,7 @@ in a new session (its own process group) with a fresh temporary working director
 afterwards, stdin from /dev/null and a minimal environment (``PATH``, ``HOME`` and ``TMPDIR``
 pointing at the working directory, one BLAS thread). Before the code runs, the child
 
-- sets resource limits: ``RLIMIT_CPU`` (``cpu_s``), ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_FSIZE``
+- sets resource limits: ``RLIMIT_CPU`` (``cpu_s``, by default one second past ``timeout_s``), ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_FSIZE``
   (``max_file_mb``), ``RLIMIT_NPROC`` 0 (no new processes or threads) and ``RLIMIT_CORE`` 0;
 - installs an audit hook that refuses: every ``socket.*`` event (no network, no DNS); starting
   processes (``subprocess.Popen``, ``os.system``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn``,
@@ -153,7 +153,9 @@ class PythonTool(Tool):
         if max_output_bytes < 1 or max_file_mb < 1:
             raise ValueError("python tool: max_output_bytes and max_file_mb must be >= 1")
         self.timeout_s = timeout_s
-        self.cpu_s = cpu_s if cpu_s is not None else max(1, math.ceil(timeout_s))
+        # The CPU limit is a backstop behind the wall-clock deadline: a single-threaded program
+        # uses at most timeout_s of CPU before the parent kills it, so one second more never races.
+        self.cpu_s = cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1
         self.memory_mb = memory_mb
         self.max_output_bytes = max_output_bytes
         self.max_file_mb = max_file_mb

@@ -105,23 +105,51 @@ async def test_a_call_no_worker_answers_is_retried_on_another(bus_factory) -> No
     assert seen.count("dead") <= 1 and seen.count("live") == 4
 
 
+async def _answer_calls(bus_factory, answer) -> None:
+    """A generation worker stand-in on the real bus: every call gets ``await answer(call)``."""
+    bus = await bus_factory("gen")
+    async with bus.serve(bus.subjects.generate, queue="generation") as requests:
+        async for req in requests:
+            await req.respond(await answer(req.event))
+
+
 @pytest.mark.asyncio
 async def test_a_refused_call_raises_with_the_workers_reason(bus_factory) -> None:
     """A generation worker answers a bad call with its error; the agent raises it (no retry)."""
     agent = await bus_factory("agent")
     client = BusClient(agent, worker_id="agent-1", timeout_s=2.0, attempts=3)
 
-    async def worker() -> None:
-        bus = await bus_factory("gen")
-        async with bus.serve(bus.subjects.generate, queue="generation") as requests:
-            async for req in requests:
-                await req.respond(
-                    GenerateReply(call_id=req.event.call_id, engine_id="gen", error="bad call: x")
-                )
+    async def refuse(call: GenerateCall) -> GenerateReply:
+        return GenerateReply(call_id=call.call_id, engine_id="gen", error="bad call: x")
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(worker)
+        tg.start_soon(_answer_calls, bus_factory, refuse)
         await anyio.sleep(0.3)
         with pytest.raises(ValueError, match="refused the call: bad call"):
             await client.generate([1], SamplingParams(max_new_tokens=1))
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_the_bus_share_of_a_call_excludes_the_generation_workers_time(bus_factory) -> None:
+    """``bus_s`` adds up each call's round trip minus the time the worker says it spent on it."""
+    agent = await bus_factory("agent")
+    client = BusClient(agent, worker_id="agent-1", timeout_s=5.0, attempts=1)
+
+    async def slow(call: GenerateCall) -> GenerateReply:
+        await anyio.sleep(0.25)  # the engine's time, reported in the reply
+        return GenerateReply(
+            call_id=call.call_id, engine_id="gen", token_ids=pack_i32([7]), logprobs=pack_f32([-0.1]),
+            versions=pack_i32([0]), finish_reason="stop", seconds=0.25,
+        )  # fmt: skip
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_answer_calls, bus_factory, slow)
+        await anyio.sleep(0.3)
+        started = anyio.current_time()
+        for _ in range(3):
+            await client.generate([1], SamplingParams(max_new_tokens=1))
+        elapsed = anyio.current_time() - started
+        tg.cancel_scope.cancel()
+    assert client.calls == 3 and elapsed >= 0.75
+    assert 0.0 < client.bus_s < elapsed - 0.7, (client.bus_s, elapsed)

@@ -112,6 +112,14 @@ async def test_python_tool_kills_an_infinite_loop_and_its_process_group_at_the_d
 
 
 @pytest.mark.asyncio
+async def test_python_tool_cpu_limit_stops_a_busy_program_before_the_wall_deadline() -> None:
+    """An explicit cpu_s below timeout_s ends a busy loop with SIGXCPU, and the model is told why."""
+    ok, text, seconds = await run_python("while True: pass", timeout_s=20.0, cpu_s=1)
+    assert not ok and "CPU time limit reached" in text
+    assert seconds < 10.0
+
+
+@pytest.mark.asyncio
 async def test_a_cancelled_python_call_leaves_no_process() -> None:
     """When the caller's deadline ends the call first (invoke_tool), the program is killed too."""
     tool = PythonTool(timeout_s=60.0)
