@@ -498,8 +498,27 @@ class WeightSyncConfig:
     ``/dev/shm/areal-{name}`` keeps a version's write off the disk (538 MB: 0.13-0.18 s there, 1.3 s
     to an ext4 run dir, measured); it holds ``keep_versions`` + 1 or 2 versions in RAM."""
 
+    transport: Literal["disk", "gloo", "nccl", "cuda_ipc"] = "disk"
+    """How a version reaches the engines. ``disk``: each engine reads the version's directory.
+    In memory, beside the disk copy (still written, off the step path, for late joiners and as
+    the fallback): ``cuda_ipc`` (trainer and local engines on GPUs of one host: the trainer
+    exports one buffer, engines copy from it), ``nccl`` (local engines on other GPUs: bucketed
+    broadcast from the trainer), ``gloo`` (the same over TCP, for CPU engines). Remote engines
+    (vLLM, SGLang) read the disk copy."""
+
+    bucket_mb: int = 512
+    """Bucket size of a group broadcast (``gloo``/``nccl``)."""
+
+    transfer_timeout_s: float = 30.0
+    """Longest in-memory transfer, group setup included; an engine past it (a member died, the
+    trainer restarted) loads the disk copy, serving its previous version meanwhile."""
+
+    host: str | None = None
+    """Address the trainer's weight-transfer store listens on and announces (None: this host's
+    name resolved, else 127.0.0.1); engines on other hosts must reach it."""
+
     def __post_init__(self) -> None:
-        _positive(self, "timeout_s", "keep_versions")
+        _positive(self, "timeout_s", "keep_versions", "bucket_mb", "transfer_timeout_s")
         if self.dir is not None:
             try:
                 resolved = self.dir.format(name="run")
@@ -576,6 +595,12 @@ class RunConfig:
             raise ValueError(
                 f"trainer.loss.overlong_buffer ({loss.overlong_buffer}) exceeds "
                 f"rollout.sampling.max_new_tokens ({budget}); lower the buffer"
+            )
+        transport = self.weight_sync.transport
+        if transport in ("cuda_ipc", "nccl") and self.trainer.device != "cuda":
+            raise ValueError(
+                f"weight_sync.transport {transport!r} moves weights between GPUs, but trainer.device is "
+                f"{self.trainer.device!r}; use transport gloo (CPU) or disk, or train on cuda"
             )
 
     @property

@@ -193,6 +193,8 @@ class LearnerCommand:
     path: str = ""
     extra: dict[str, Any] | None = None
     keep: int = 2
+    dtype: str = ""
+    on_device: bool = False
 
 
 class Learner:
@@ -266,7 +268,8 @@ class Learner:
         if cmd.op == "save_weights":
             return self.engine.save_hf(cmd.path)
         if cmd.op == "snapshot":
-            return self.engine.snapshot_hf()
+            dtype = getattr(torch, cmd.dtype) if cmd.dtype else None
+            return self.engine.snapshot_hf(dtype=dtype, on_device=cmd.on_device)
         if cmd.op == "checkpoint":
             from areal_async.checkpoint import save_checkpoint
 
@@ -307,9 +310,10 @@ class Learner:
     def save_weights(self, path: Path) -> list[dict[str, Any]]:
         return self.run(LearnerCommand(op="save_weights", path=str(path)))
 
-    def snapshot_weights(self) -> dict[str, torch.Tensor]:
-        """Copies of the current weights (rank 0); write them with ``write_weights`` in any thread."""
-        return self.run(LearnerCommand(op="snapshot"))
+    def snapshot_weights(self, *, dtype: str = "", on_device: bool = False) -> dict[str, torch.Tensor]:
+        """Copies of the current weights (rank 0; in ``dtype`` if named, on the training device with
+        ``on_device``); write them with ``write_weights`` in any thread."""
+        return self.run(LearnerCommand(op="snapshot", dtype=dtype, on_device=on_device))
 
     def write_weights(self, path: Path, tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
         """Write a snapshot as an HF directory; returns its manifest. Consumes ``tensors``: the dict

@@ -44,6 +44,7 @@ __all__ = [
     "ScoredGroup",
     "SUBJECT_TYPES",
     "TensorEntry",
+    "TransferOffer",
     "TrainerStep",
     "WeightsLoad",
     "WeightsLoaded",
@@ -220,32 +221,64 @@ class TrainerStep(Event, kw_only=True):
     metrics: dict[str, float] = {}
 
 
+class TransferOffer(msgspec.Struct, kw_only=True, frozen=True):
+    """How to receive one version in memory (``areal_async.weight_transport``).
+
+    ``transport`` is ``gloo``/``nccl`` (join the group named in ``weights.load`` on the store at
+    ``address``, receive ``digests``-checked buckets of at most ``bucket_bytes``) or ``cuda_ipc``
+    (map ``handle``: one buffer, ``digests`` has its one digest). ``manifest`` rows are
+    ``[name, shape, dtype]``; every receiver plans the same buckets from it."""
+
+    transport: str
+    manifest: list[list[Any]]
+    digests: list[int]
+    bucket_bytes: int
+    address: str = ""
+    handle: bytes = b""
+
+
 class WeightsPublished(Event, kw_only=True):
-    """trainer -> weight-sync: a new checkpoint of ``policy_version`` is on disk at ``path``."""
+    """trainer -> weight-sync: a new version of the policy. Its disk copy is (or, with an in-memory
+    ``transfer``, soon will be) at ``path``; with a ``transfer``, ``manifest`` sha256s are empty
+    (the disk copy's ``manifest.json`` has them)."""
 
     policy_version: int
     path: str
     manifest: list[TensorEntry]
     total_bytes: int
     seconds: float
+    transfer: TransferOffer | None = None
 
 
 class WeightsLoad(Event, kw_only=True):
-    """weight-sync -> generation: load ``path``; ``engine_ids`` empty means every engine."""
+    """weight-sync -> generation: load ``path``; ``engine_ids`` empty means every engine.
+
+    With a ``transfer``, the engines in ``members`` (in rank order, after the trainer's rank 0;
+    ``ranks``: how many ranks each takes, empty = one each) receive the version in memory; a group
+    transport opens the process group ``group``. Engines
+    not in ``members`` load ``path``; so does a member whose transfer fails."""
 
     policy_version: int
     path: str
     engine_ids: list[str] = []
+    transfer: TransferOffer | None = None
+    group: str = ""
+    members: list[str] = []
+    ranks: list[int] = []
 
 
 class WeightsLoaded(Event, kw_only=True):
-    """generation -> weight-sync: one engine finished (or failed) loading a version."""
+    """generation -> weight-sync: one engine finished (or failed) loading a version; ``via`` is the
+    transport it came by (``disk`` also after a failed in-memory transfer, whose reason is
+    ``fallback``)."""
 
     policy_version: int
     engine_id: str
     ok: bool
     error: str = ""
     seconds: float
+    via: str = "disk"
+    fallback: str = ""
 
 
 class WeightsServed(Event, kw_only=True):
@@ -268,6 +301,10 @@ class Heartbeat(Event, kw_only=True):
     detail: str = ""
     load: dict[str, float] = {}
     sent_at: float
+    transports: list[str] = []
+    """In-memory weight transports this worker can receive (generation workers)."""
+    transfer_ranks: int = 1
+    """Ranks it takes in a weight-transfer group (a remote engine: one per server)."""
 
 
 class DeadLetter(Event, kw_only=True):

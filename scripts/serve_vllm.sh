@@ -11,6 +11,8 @@
 #   --generation-config vllm           ignore the checkpoint's generation_config.json sampling defaults; every
 #                                      request sends its own
 #   --served-model-name                the name requests use (VLLM_SERVED_MODEL_NAME, default "policy")
+#   --worker-extension-cls             areal_async.engines.vllm_worker: receive_weights, versions sent in memory
+#                                      by the trainer (weight_sync.transport gloo/nccl)
 #   --enforce-eager                    /health in ~40 s instead of ~2.5 min of torch.compile on a small CPU box
 #   untied copy                        a model with tied word embeddings is served from an untied copy
 #                                      (.cache/vllm-untied/: symlinks + lm_head.safetensors + config with
@@ -89,6 +91,8 @@ export VLLM_SERVER_DEV_MODE=1
 # Set explicitly: left unset, vLLM cuts torch to one thread on small machines.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+# The worker extension (receive_weights: in-memory versions over gloo/nccl) is imported from this repo.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$MODEL_DIR" \
   --served-model-name "${VLLM_SERVED_MODEL_NAME:-policy}" \
@@ -99,4 +103,5 @@ exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --generation-config vllm \
   --enforce-eager \
   --disable-log-stats \
+  --worker-extension-cls areal_async.engines.vllm_worker.WeightReceiverExtension \
   "$@"

@@ -30,6 +30,7 @@ Run alone: areal-worker --role generation --config configs/arith_cpu.yaml
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -93,6 +94,31 @@ def make_engine(ctx: WorkerContext, model_path: str) -> InferenceEngine:
     )
 
 
+def engine_transports(engine: InferenceEngine, transport: str) -> list[str]:
+    """The run's in-memory transport, if this engine can receive it: local engines on a GPU take
+    ``cuda_ipc`` and ``nccl``, on the CPU ``gloo``; remote engines what their servers take
+    (vLLM: ``gloo``, ``nccl``; SGLang: none, it reads the disk copy)."""
+    if transport == "disk":
+        return []
+    kind = getattr(getattr(engine, "device", None), "type", None)  # local engines
+    if kind is not None:
+        usable: tuple[str, ...] = ("cuda_ipc", "nccl") if kind == "cuda" else ("gloo",)
+    else:
+        usable = tuple(getattr(engine, "group_transports", ()))
+    return [transport] if transport in usable else []
+
+
+async def wait_for_weights(location: Path, timeout_s: float) -> None:
+    """Wait until a version's disk copy exists (the trainer writes ``<dir>.tmp`` and renames it, so
+    the directory is whole once it is there); FileNotFoundError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await anyio.Path(location).is_dir():
+            return
+        await anyio.sleep(0.05)
+    raise FileNotFoundError(f"weights {location} did not appear within {timeout_s} s")
+
+
 class Generator:
     def __init__(self, ctx: WorkerContext, engine: InferenceEngine, tokenizer: Any) -> None:
         self.ctx = ctx
@@ -109,15 +135,44 @@ class Generator:
         self.active = 0
         self.tasks_done = 0
         self.tokens_out = 0
+        self.receiver: Any = None
+        transports = engine_transports(engine, self.cfg.weight_sync.transport)
+        if transports:
+            from workers.weight_transfer import WeightReceiver
+
+            self.receiver = WeightReceiver(self.cfg, getattr(engine, "device", "cpu"), ctx.worker_id)
+            ctx.transports = transports
+            ctx.transfer_ranks = int(getattr(engine, "group_ranks", 1))
 
     # ---- weights -------------------------------------------------------------------------
 
-    async def load(self, version: int, path: str) -> None:
+    async def load(self, version: int, path: str, offer: WeightsLoad | None = None) -> None:
+        """Load ``version``: in memory when ``offer`` names this engine a member, else (or when
+        that fails) from its disk copy at ``path``; report ``weights.loaded`` either way."""
+        started = time.perf_counter()
+        via, fallback = "disk", ""
         try:
             location = checked_weights_path(self.cfg, path)
-            seconds = await self.engine.load_weights(version, str(location))
+            if offer is not None and self.receiver is not None:
+                try:
+                    if getattr(self.engine, "group_transports", ()):  # remote servers join the group
+                        call = self.receiver.server_call(offer)
+                        await self.engine.load_weights(version, str(location), group=call)
+                    else:
+                        tensors = await anyio.to_thread.run_sync(self.receiver.receive, offer)
+                        await self.engine.load_weights(version, tensors)
+                    via = offer.transfer.transport if offer.transfer else "disk"
+                except Exception as exc:  # the disk copy of the same version
+                    fallback = f"{type(exc).__name__}: {exc}"
+                    log.warning("in-memory weight transfer failed; loading the disk copy", error=fallback)
+                finally:
+                    tensors = None
+            if via == "disk":
+                await wait_for_weights(location, self.cfg.weight_sync.timeout_s)
+                await self.engine.load_weights(version, str(location))
             ok, error = True, ""
-            log.info("weights loaded", policy_version=version, seconds=round(seconds, 3))
+            seconds = time.perf_counter() - started
+            log.info("weights loaded", policy_version=version, via=via, seconds=round(seconds, 3))
         except Exception as exc:  # report, keep serving the old weights
             seconds, ok, error = 0.0, False, f"{type(exc).__name__}: {exc}"
             log.error("weights load failed", policy_version=version, path=path, error=error)
@@ -130,6 +185,8 @@ class Generator:
                 ok=ok,
                 error=error,
                 seconds=seconds,
+                via=via,
+                fallback=fallback,
             ),
             policy_version=self.engine.version,
         )
@@ -149,6 +206,10 @@ class Generator:
             if not isinstance(ev, WeightsLoad):
                 continue
             if ev.engine_ids and self.ctx.worker_id not in ev.engine_ids:
+                continue
+            member = ev.transfer is not None and self.ctx.worker_id in ev.members
+            if member:  # a group transfer waits for every member: take part even when current
+                await self.load(ev.policy_version, ev.path, ev)
                 continue
             if ev.policy_version == self.engine.version:
                 await self.bus.publish(

@@ -251,7 +251,7 @@ def launch(
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides)
-    model_path = _prepare_model(cfg)
+    model_path = _prepare_model(cfg, roles)
     if model_path is not None:
         overrides.append(f"model.path={model_path}")
 
@@ -393,13 +393,40 @@ def _wait_others(children: Sequence[Child], grace: float, tick: Callable[[], Non
         tick()
 
 
-def _prepare_model(cfg: RunConfig) -> Path | None:
-    """Convert the bundled model once, before the workers start (they would race otherwise)."""
+def _prepare_model(cfg: RunConfig, roles: Sequence[str]) -> Path | None:
+    """Convert the bundled model once, before the workers start (they would race otherwise); for
+    any other ``model.path``, check that it can be loaded here before starting the roles that load
+    it (every role reads at least its tokenizer but reward and weight-sync)."""
     if cfg.model.path != "smollm2":
+        if set(roles) - {"reward", "weight-sync"}:
+            check_model_available(cfg.model.path)
         return None
     from areal_async.models import prepare_smollm2
 
     return prepare_smollm2(None, dtype="float32")
+
+
+def check_model_available(path: str) -> None:
+    """A local file or directory, or a hub id already in the Hugging Face cache; ConfigError naming
+    how to get it otherwise (the workers would each fail on it, later and less clearly)."""
+    if Path(path).expanduser().exists():
+        return
+    looks_like_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if looks_like_id:
+        try:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(path, local_files_only=True, allow_patterns=["config.json"])
+            return
+        except Exception:  # not cached (or no huggingface_hub): say how to get it
+            pass
+    how = (
+        f"download it where there is internet (`hf download {path} --local-dir models/{path.split('/')[-1]}`) "
+        "and set model.path to that directory, or fill the Hugging Face cache (HF_HOME) beforehand"
+        if looks_like_id
+        else "set model.path to an HF model directory, a .gguf file, a hub id in the Hugging Face cache, or smollm2"
+    )
+    raise ConfigError(f"model.path {path!r} is neither on disk here nor in the Hugging Face cache; {how}")
 
 
 def _finish(cfg: RunConfig, wall_s: float, peak_rss: Mapping[str, int]) -> None:

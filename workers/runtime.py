@@ -65,6 +65,9 @@ class WorkerContext:
     policy_version: int = -1
     load: dict[str, float] = field(default_factory=dict)
     ended: anyio.Event = field(default_factory=anyio.Event)
+    transports: list[str] = field(default_factory=list)
+    """In-memory weight transports this worker receives (its heartbeat tells weight-sync)."""
+    transfer_ranks: int = 1
 
     @property
     def run_dir(self) -> Path:
@@ -86,6 +89,8 @@ class WorkerContext:
             detail=self.detail,
             load=dict(self.load),
             sent_at=time.time(),
+            transports=list(self.transports),
+            transfer_ranks=self.transfer_ranks,
         )
 
 

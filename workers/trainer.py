@@ -32,6 +32,7 @@ Run alone: areal-worker --role trainer --config configs/arith_cpu.yaml
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -46,6 +47,7 @@ import structlog
 from areal_async.algo.advantages import dynamic_sampling_keep
 from areal_async.algo.staleness import StalenessStats, guard
 from areal_async.config import RunConfig
+from areal_async.weight_transport import decode_manifest, nbytes
 from bus.events import (
     RolloutFailed,
     ScoredGroup,
@@ -60,6 +62,7 @@ from bus.state import WEIGHTS_PUBLISHED, RunState, StateRecordError
 from bus.subjects import Streams
 from workers.common import append_jsonl, resolve_model_path, settle_or_dead_letter, weights_dir
 from workers.runtime import WorkerContext, io_thread_affinity
+from workers.weight_transfer import WeightSender
 
 log = structlog.get_logger()
 
@@ -158,6 +161,13 @@ class Trainer:
         self._bus_total = 0.0
         self.tb = _tensorboard(self.cfg)
         self.started = time.time()
+        in_memory = self.cfg.weight_sync.transport != "disk"
+        self.sender = WeightSender(self.cfg, self.cfg.trainer.device) if in_memory else None
+        # On a GPU the snapshot stays there (a device copy), and the writer moves it to the host.
+        self.snapshot_options = {
+            "dtype": self.cfg.model.dtype if in_memory else "",
+            "on_device": self.cfg.trainer.device == "cuda",
+        }
 
     @property
     def version(self) -> int:
@@ -288,7 +298,12 @@ class Trainer:
         compute_s = time.monotonic() - t0
         version = self.version
         t1 = time.monotonic()
-        tensors = await anyio.to_thread.run_sync(self.learner.snapshot_weights)
+        tensors = await anyio.to_thread.run_sync(
+            functools.partial(self.learner.snapshot_weights, **self.snapshot_options)
+        )
+        if self.sender is not None:  # in memory: announce now, the disk copy follows
+            tensors = await anyio.to_thread.run_sync(self.sender.prepare, version, tensors)
+            await self.publish_weights(version, weights_dir(self.cfg, version), None, 0.0)
         save_s = time.monotonic() - t1
         # Writing and hashing the weights overlaps the next step; versions leave in order.
         await self.weights_out.send((version, tensors))
@@ -343,7 +358,8 @@ class Trainer:
             path = weights_dir(self.cfg, version)
             manifest = await anyio.to_thread.run_sync(self._write, path, tensors)
             self.last_write_s = time.monotonic() - t0
-            await self.publish_weights(version, path, manifest, self.last_write_s)
+            if self.sender is None:
+                await self.publish_weights(version, path, manifest, self.last_write_s)
 
     def _write(self, path: Path, tensors: Any) -> list[dict[str, Any]]:
         """Worker-thread body: hash and write one version on the cores for ``trainer.io``, if named."""
@@ -357,16 +373,29 @@ class Trainer:
         return delta
 
     async def publish_weights(
-        self, version: int, path: Any, manifest: list[dict[str, Any]], seconds: float
+        self, version: int, path: Any, manifest: list[dict[str, Any]] | None, seconds: float
     ) -> None:
-        entries = [TensorEntry(**m) for m in manifest]
-        total = (Path(path) / "model.safetensors").stat().st_size
+        """Announce ``version``: written at ``path`` (its ``manifest``), or, with ``manifest`` None,
+        prepared in memory (the offer; the disk copy is still being written)."""
+        offer = self.sender.offer(version) if self.sender is not None else None
+        if manifest is None and offer is not None:
+            entries = [TensorEntry(name=n, shape=shape, dtype=d, sha256="") for n, shape, d in offer.manifest]
+            total = sum(nbytes(shape, dtype) for _, shape, dtype in decode_manifest(offer.manifest))
+        else:
+            entries = [TensorEntry(**m) for m in manifest or []]
+            total = (Path(path) / "model.safetensors").stat().st_size
+            offer = None
         await self.run_state.record_then_publish(
             WEIGHTS_PUBLISHED,
             {"policy_version": version, "path": str(path)},
             self.bus.subjects.weights_published,
             WeightsPublished(
-                policy_version=version, path=str(path), manifest=entries, total_bytes=total, seconds=seconds
+                policy_version=version,
+                path=str(path),
+                manifest=entries,
+                total_bytes=total,
+                seconds=seconds,
+                transfer=offer,
             ),
             policy_version=version,
         )
@@ -454,6 +483,8 @@ async def serve(ctx: WorkerContext) -> None:
             tg.start_soon(trainer.receive)
             tg.start_soon(trainer.keep_alive)
             tg.start_soon(trainer.write_weights)
+            if trainer.sender is not None:
+                tg.start_soon(trainer.sender.serve, trainer.bus)
             tg.start_soon(_wake_on_end, ctx, trainer)
             ctx.set_status("ready")
             try:

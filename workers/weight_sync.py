@@ -18,6 +18,7 @@ Run alone: areal-worker --role weight-sync --config configs/arith_cpu.yaml
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import anyio
 import structlog
 
-from bus.events import Heartbeat, WeightsLoad, WeightsLoaded, WeightsPublished, WeightsServed
+from bus.events import Heartbeat, TransferOffer, WeightsLoad, WeightsLoaded, WeightsPublished, WeightsServed
 from bus.state import WEIGHTS_PUBLISHED, WEIGHTS_SERVED, RunState, StateRecordError, WeightsVersion
 from workers.common import checked_weights_path, weights_root
 from workers.runtime import WorkerContext
@@ -38,6 +39,9 @@ class EngineState:
     version: int
     seen_at: float
     load_s: float = 0.0
+    transports: tuple[str, ...] = ()
+    ranks: int = 1
+    via: str = ""
 
 
 class WeightSync:
@@ -50,6 +54,9 @@ class WeightSync:
         self.target: tuple[int, str] | None = None
         self.served = -1
         self.changed = anyio.Event()
+        self.offer: tuple[int, TransferOffer] | None = None
+        self.epoch = 0  # a new group after a failed transfer
+        self.fallbacks = 0
 
     def poke(self) -> None:
         self.changed.set()
@@ -71,6 +78,8 @@ class WeightSync:
             tg.start_soon(self._published_from_state)
             async for ev in self.bus.subscribe(self.bus.subjects.weights_published):
                 if isinstance(ev, WeightsPublished):
+                    if ev.transfer is not None:
+                        self.offer = (ev.policy_version, ev.transfer)
                     self._publish_seen(ev.policy_version, ev.path)
             tg.cancel_scope.cancel()
 
@@ -106,6 +115,8 @@ class WeightSync:
                 state = self.engines.setdefault(ev.worker_id, EngineState(ev.policy_version, 0.0))
                 state.seen_at = time.monotonic()
                 state.version = ev.policy_version
+                state.transports = tuple(ev.transports)
+                state.ranks = max(1, ev.transfer_ranks)
             self.poke()
 
     async def watch_loaded(self) -> None:
@@ -119,9 +130,14 @@ class WeightSync:
                 )
                 continue
             state.seen_at = time.monotonic()
+            if ev.fallback:  # the group is not trusted again: the next transfer forms a new one
+                self.epoch += 1
+                self.fallbacks += 1
+                log.warning("engine fell back to the disk copy", engine_id=ev.engine_id, reason=ev.fallback)
             if ev.ok:
                 state.version = ev.policy_version
                 state.load_s = ev.seconds
+                state.via = ev.via
             else:
                 log.error("engine failed to load weights", engine_id=ev.engine_id, error=ev.error)
             self.poke()
@@ -156,6 +172,7 @@ class WeightSync:
         # published while it was disconnected never reached it (core NATS).
         retell_s = self.cfg.bus.heartbeat_ttl_s
         told: dict[str, float] = {}
+        members: list[str] = []
         with anyio.move_on_after(self.cfg.weight_sync.timeout_s) as scope:
             while self.target == (version, path):
                 live = self.live_engines()
@@ -163,15 +180,17 @@ class WeightSync:
                 now = time.monotonic()
                 tell = [k for k in lagging if now - told.get(k, -retell_s) >= retell_s]
                 if tell:
-                    await self.bus.publish(
-                        self.bus.subjects.weights_load,
-                        WeightsLoad(policy_version=version, path=path, engine_ids=tell),
-                        policy_version=version,
-                    )
+                    # The first word of a version goes in memory where it can; a retelling reads disk.
+                    load = self.load_event(version, path, tell, in_memory=not told)
+                    members = members or list(load.members)
+                    await self.bus.publish(self.bus.subjects.weights_load, load, policy_version=version)
                     told.update(dict.fromkeys(tell, now))
                 if live and not lagging:
                     break
                 await anyio.sleep(0.05)
+        live = self.live_engines()
+        if any(k not in live for k in members):  # a member died: the next transfer forms a new group
+            self.epoch += 1
         if self.target != (version, path):
             return  # superseded by a newer version; the loop picks it up
         if scope.cancelled_caught:
@@ -179,7 +198,31 @@ class WeightSync:
         live = self.live_engines()
         timings = {f"load_{k}_s": e.load_s for k, e in live.items() if e.version == version}
         timings["total_s"] = time.monotonic() - started
+        timings["fallbacks"] = float(self.fallbacks)
         await self.mark_served(version, path, timings)
+
+    def load_event(self, version: int, path: str, tell: list[str], *, in_memory: bool) -> WeightsLoad:
+        """``weights.load`` for the engines in ``tell``; those that take the version's in-memory
+        offer become the members of the transfer (a group named for its members, its sender and
+        the epoch, so consecutive versions reuse it while nothing changes)."""
+        offer = self.offer[1] if self.offer is not None and self.offer[0] == version else None
+        members = [k for k in tell if offer is not None and offer.transport in self.engines[k].transports]
+        if not in_memory or not members or offer is None:
+            return WeightsLoad(policy_version=version, path=path, engine_ids=tell)
+        ranks = [self.engines[k].ranks for k in members]
+        group = ""
+        if offer.transport in ("gloo", "nccl"):
+            key = f"{offer.address}|{self.epoch}|{','.join(members)}|{ranks}"
+            group = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return WeightsLoad(
+            policy_version=version,
+            path=path,
+            engine_ids=tell,
+            transfer=offer,
+            group=group,
+            members=members,
+            ranks=ranks,
+        )
 
     async def mark_served(self, version: int, path: str, timings: dict[str, float]) -> None:
         engines = sorted(k for k, e in self.live_engines().items() if e.version == version)

@@ -669,16 +669,19 @@ class FSDPTrainEngine:
             manifest = box[0]
         return manifest
 
-    def snapshot_hf(self, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    def snapshot_hf(
+        self, *, dtype: torch.dtype | None = None, on_device: bool = False
+    ) -> dict[str, torch.Tensor] | None:
         """HF-named copies of the full weights on rank 0 (None on other ranks). Collective.
 
         The copies do not alias the live parameters, so `write_hf` may run in another thread
-        while the next step trains.
+        while the next step trains. They are on the CPU, or with `on_device` on the training
+        device (a device-to-device copy, so the step does not wait for a host copy).
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_device)
         )
         if self.rank != 0:
             return None

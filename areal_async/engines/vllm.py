@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,24 @@ class VLLMEngine(RemoteEngine):
     async def _reload(self, server: Server, path: str, version: int) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
         await self._post(server, "/collective_rpc", body=body)
+
+    group_transports = ("gloo", "nccl")
+
+    async def _receive(self, server: Server, call: Mapping[str, str]) -> None:
+        timeout = float(call["timeout_s"]) + 30.0
+        body = {"method": "receive_weights", "kwargs": dict(call), "timeout": timeout}
+        response = await self._post(server, "/collective_rpc", body=body, seconds=timeout)
+        try:
+            results = response.json().get("results")
+        except ValueError as exc:
+            raise ServerUnavailable(f"POST {server.url}/collective_rpc receive_weights: not JSON") from exc
+        if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], dict):
+            raise ServerUnavailable(
+                f"POST {server.url}/collective_rpc receive_weights answered {str(results)[:200]}; the server "
+                "must run the worker extension (scripts/serve_vllm.sh) with one worker (no tensor parallelism)"
+            )
+        if "error" in results[0]:
+            raise ServerUnavailable(f"{server.url} refused the transfer: {results[0]['error']}")
 
     async def _reset_cache(self, server: Server) -> None:
         response = await self._post(server, "/reset_prefix_cache")

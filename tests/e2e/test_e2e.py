@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,7 +51,12 @@ def test_tiny_model_learns_through_all_five_roles(tmp_path: Path, tiny_sft_model
     0.40-0.45 at version 0, 0.55-0.80 afterwards."""
     steps_n, batch = 20, 32
     cfg = tiny_config(
-        tmp_path, tiny_sft_model, "learn", trainer__total_steps=steps_n, trainer__batch_size=batch
+        tmp_path,
+        tiny_sft_model,
+        "learn",
+        trainer__total_steps=steps_n,
+        trainer__batch_size=batch,
+        weight_sync__transport="gloo",  # versions reach the engine in memory (disk: every other run)
     )
     res = run_job(cfg, timeout=900)
     assert res.returncode == 0, res.output[-4000:]
@@ -66,6 +73,11 @@ def test_tiny_model_learns_through_all_five_roles(tmp_path: Path, tiny_sft_model
     after = [e["eval/accuracy"] for e in evals[1:]]
     assert sum(after) / len(after) >= first + 0.1, (first, after)
     assert last >= first, (first, after)
+    loads = (res.run_dir / "logs").glob("generation-*.jsonl")
+    via = [
+        json.loads(line).get("via") for p in loads for line in p.read_text().splitlines() if '"via"' in line
+    ]
+    assert via and set(via) == {"gloo"}, via
     steps = read_steps(res.run_dir, "learn")
     _check_staleness(steps, eta=2)
     _check_exactly_once(steps, steps_n, batch)
@@ -123,6 +135,48 @@ def _pid_of(run_dir: Path, role: str) -> int:
     return int(logs[-1].stem.rsplit("-", 1)[1])
 
 
+def kill_mid_run(
+    tmp_path: Path,
+    model: Path,
+    name: str,
+    victim: str,
+    *,
+    total: int,
+    batch: int,
+    after: int,
+    **sections: Any,
+) -> tuple[Any, list[Any]]:
+    """A tiny run of ``total`` steps whose ``victim`` role gets SIGKILL after ``after`` steps; checks
+    that it was restarted once and the run completed with every task trained once within the
+    staleness bound, and returns the result and the stored steps."""
+    cfg = tiny_config(
+        tmp_path,
+        model,
+        name,
+        rollout__group_size=4,
+        trainer__total_steps=total,
+        trainer__batch_size=batch,
+        trainer__eval_every=0,
+        dataset__eval_size=4,
+        checkpoint__every_steps=4,
+        **sections,
+    )
+    run_dir = tmp_path / name
+    started = time.monotonic()
+    proc = start_job(cfg)
+    try:
+        _wait_for(lambda: steps_done(run_dir) >= after, 240, f"{after} steps")
+        os.kill(_pid_of(run_dir, victim), signal.SIGKILL)
+    finally:
+        res = finish_job(proc, run_dir, started, timeout=600)
+    assert res.returncode == 0, res.output[-4000:]
+    assert f"warning: {victim} exited with -9; restart 1/3" in res.output
+    steps = read_steps(run_dir, name)
+    _check_exactly_once(steps, total, batch)
+    _check_staleness(committed_steps(steps).values(), eta=2)
+    return res, steps
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("victim", ["trainer", "generation"])
 def test_killed_worker_loses_nothing_and_trains_nothing_twice(
@@ -132,30 +186,9 @@ def test_killed_worker_loses_nothing_and_trains_nothing_twice(
     supervisor restarts it, the run completes, and the committed steps cover every task
     exactly once; after a trainer restore the lost steps are re-trained, not skipped."""
     total, batch = 10, 4
-    cfg = tiny_config(
-        tmp_path,
-        tiny_model,
-        f"kill-{victim}",
-        rollout__group_size=4,
-        trainer__total_steps=total,
-        trainer__batch_size=batch,
-        trainer__eval_every=0,
-        dataset__eval_size=4,
-        checkpoint__every_steps=4,
+    res, steps = kill_mid_run(
+        tmp_path, tiny_model, f"kill-{victim}", victim, total=total, batch=batch, after=5
     )
-    run_dir = tmp_path / f"kill-{victim}"
-    started = time.monotonic()
-    proc = start_job(cfg)
-    try:
-        _wait_for(lambda: steps_done(run_dir) >= 5, 240, "five steps")
-        os.kill(_pid_of(run_dir, victim), signal.SIGKILL)
-    finally:
-        res = finish_job(proc, run_dir, started, timeout=600)
-    assert res.returncode == 0, res.output[-4000:]
-    assert f"warning: {victim} exited with -9; restart 1/3" in res.output
-    steps = read_steps(run_dir, f"kill-{victim}")
-    _check_exactly_once(steps, total, batch)
-    _check_staleness(committed_steps(steps).values(), eta=2)
     if victim == "trainer":
         numbers = [ev.step for ev in steps]
         assert len(numbers) > len(set(numbers)), "a restored trainer repeats the steps after its checkpoint"

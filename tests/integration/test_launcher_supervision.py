@@ -18,7 +18,8 @@ from tests.helpers.jobs import REPO
 
 
 def run_file(tmp_path: Path, **sections: object) -> Path:
-    """A run file whose model is never loaded (only light roles are started)."""
+    """A run file whose model (an empty directory) is never loaded (only light roles are started)."""
+    (tmp_path / "no-model").mkdir(exist_ok=True)
     cfg = {
         "name": "cli",
         "dir": str(tmp_path / "cli"),
@@ -71,6 +72,9 @@ def test_a_role_that_exhausts_its_restarts_ends_the_run_with_exit_1(tmp_path: Pa
                      "error: ConfigError: bus.url is 'embedded' and neither", id="inspect a run never started"),
         pytest.param(["workers", "run", "{config}", "--no-live"], {"NATS_SERVER_BIN": "/nonexistent/nats-server"}, 1,
                      "error: EmbeddedServerError: NATS_SERVER_BIN=", id="run without a nats-server binary"),
+        pytest.param(["workers", "run", "{config}", "--no-live", "--set", "model.path=Nobody/Absent-0.5B"], {}, 2,
+                     "error: ConfigError: model.path 'Nobody/Absent-0.5B' is neither on disk here nor in the "
+                     "Hugging Face cache; download it", id="run a model that is not here"),
         pytest.param(["workers.cli", "--role", "reward", "--config", "{config}", "--set", "bus.nope=1"], {}, 2,
                      "error: ConfigError: ", id="a worker with a bad override"),
         pytest.param(["workers.cli", "--role", "reward", "--config", "{config}", "--set", "bus.url={dead_url}"], {}, 1,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -29,7 +30,9 @@ from areal_async.engines.base import GenerationRequest, GenerationResult, Sampli
 from areal_async.engines.vllm import VLLMEngine, with_lm_head
 from areal_async.errors import ConfigError
 from areal_async.models import load_causal_lm, load_tokenizer, prepare_smollm2
+from bus.events import WeightsLoad
 from tests.helpers.vllm_server import vllm_server
+from workers.weight_transfer import WeightReceiver, WeightSender
 
 LOGPROB_MAX_ATOL = 1.0
 LOGPROB_P95_ATOL = 0.3
@@ -242,6 +245,57 @@ async def test_pause_reload_resume_mid_generation(
     assert changed.token_ids != before.token_ids, "greedy output changes with the weights"
     assert restored.token_ids == before.token_ids, "reloading the original weights restores the output"
     assert reload_s < 60 and health["interruptions"] >= 1 and health["status"] == "running"
+
+
+@pytest.mark.vllm
+@pytest.mark.asyncio
+async def test_a_version_sent_over_gloo_is_what_the_server_serves(
+    vllm_url: str, prompts: list[list[int]], perturbed: Path, oracles: dict[int, torch.nn.Module]
+) -> None:
+    """The trainer's snapshot (a tied model: no lm_head, as FSDP writes it) reaches the server over a
+    gloo group through the worker extension and serves exactly as the same weights loaded from disk;
+    a transfer whose bytes differ from the announced digests is refused and changes nothing."""
+    cfg = SimpleNamespace(
+        weight_sync=SimpleNamespace(transport="gloo", bucket_mb=64, transfer_timeout_s=60.0, host="127.0.0.1")
+    )
+    sender = WeightSender(cfg, "cpu")  # type: ignore[arg-type]
+    receiver = WeightReceiver(cfg, "cpu", "gen-1")  # type: ignore[arg-type]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+
+    def snapshot(version: int) -> dict[str, torch.Tensor]:
+        state = oracles[version].state_dict()
+        return {k: v.detach().clone() for k, v in state.items() if k != "lm_head.weight"}
+
+    async def send(engine: VLLMEngine, version: int, group: str) -> str:
+        """The trainer broadcasts while the engine's server receives; the engine's error, if any."""
+        load = WeightsLoad(
+            policy_version=version, path="", transfer=sender.offer(version), group=group, members=["gen-1"]
+        )
+        buffers = sender.prepared[version].buffers
+        error = ""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, sender._broadcast, group, 2, buffers)
+            try:
+                await engine.load_weights(version, str(perturbed), group=receiver.server_call(load))
+            except RuntimeError as exc:
+                error = str(exc)
+        return error
+
+    async with VLLMEngine([vllm_url], startup_timeout_s=30) as engine:
+        sender.prepare(1, snapshot(1))
+        assert await send(engine, 1, "g-1") == ""
+        [in_memory] = await engine.generate(requests_for(prompts[:1], greedy, "mem"))
+        await engine.load_weights(2, str(perturbed))
+        [from_disk] = await engine.generate(requests_for(prompts[:1], greedy, "disk"))
+        sender.prepare(3, snapshot(0))
+        sender.prepared[3].buffers[-1][7] ^= 1  # the bytes no longer match the offer's digests
+        refused = await send(engine, 3, "g-3")
+        assert "in-memory transfer failed" in refused and "arrived corrupted" in refused, refused
+        await engine.load_weights(3, str(perturbed))  # the fallback: the disk copy
+        [after] = await engine.generate(requests_for(prompts[:1], greedy, "after"))
+    assert in_memory.token_ids == from_disk.token_ids == after.token_ids
+    assert torch.allclose(torch.tensor(in_memory.logprobs), torch.tensor(from_disk.logprobs), atol=1e-4)
+    assert_close_enough(logprob_errors(oracles, in_memory, greedy, version=1))
 
 
 @pytest.mark.asyncio

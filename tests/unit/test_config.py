@@ -203,3 +203,29 @@ def test_agent_settings_are_checked_and_pick_the_roles_of_a_run() -> None:
     assert not single.uses_agents and agents.uses_agents
     assert "agent" not in run_roles(single.uses_agents) and "reward" in run_roles(single.uses_agents)
     assert "agent" in run_roles(agents.uses_agents) and "reward" not in run_roles(agents.uses_agents)
+
+
+def test_weight_transport_settings_are_checked_against_the_trainer(tmp_path: Path) -> None:
+    """A GPU transport with a CPU trainer, an unknown transport or a zero bucket names the fix."""
+    with pytest.raises(
+        ConfigError, match=r"transport 'cuda_ipc' moves weights between GPUs.*use transport gloo"
+    ):
+        load_config(overrides=["weight_sync.transport=cuda_ipc"])
+    with pytest.raises(ConfigError, match=r"weight_sync.transport.*'tcp'"):
+        load_config(overrides=["weight_sync.transport=tcp"])
+    with pytest.raises(ConfigError, match=r"bucket_mb must be > 0, got 0"):
+        load_config(overrides=["weight_sync.bucket_mb=0"])
+    cfg = load_config(overrides=["weight_sync.transport=nccl", "trainer.device=cuda"])
+    assert (cfg.weight_sync.transport, cfg.weight_sync.bucket_mb) == ("nccl", 512)
+
+
+def test_a_model_that_is_not_here_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
+    from workers.launcher import check_model_available
+
+    check_model_available(str(tmp_path))  # a local directory
+    with pytest.raises(
+        ConfigError, match=r"'Nobody/NoModel-0.5B' is neither on disk.*hf download Nobody/NoModel-0.5B"
+    ):
+        check_model_available("Nobody/NoModel-0.5B")
+    with pytest.raises(ConfigError, match=r"set model.path to an HF model directory"):
+        check_model_available(str(tmp_path / "missing"))

@@ -45,7 +45,9 @@ def _contract_fields() -> dict[str, list[str]]:
 def test_schemas_have_exactly_the_fields_of_the_contract() -> None:
     """Every event in docs/design.md section 4.2 exists with exactly those fields (plus schema_version)."""
     contract = _contract_fields()
-    types = dict(ev.EVENT_TYPES, Completion=ev.Completion, TensorEntry=ev.TensorEntry)
+    types = dict(
+        ev.EVENT_TYPES, Completion=ev.Completion, TensorEntry=ev.TensorEntry, TransferOffer=ev.TransferOffer
+    )
     assert set(contract) - {"TensorEntry"} <= set(types)
     assert set(ev.EVENT_TYPES) <= set(contract)
     for name, fields in contract.items():

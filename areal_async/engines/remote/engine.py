@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import os
 import time
 import uuid
@@ -159,6 +160,11 @@ class RemoteEngine(InferenceEngine):
         return self.pool.version
 
     @property
+    def group_ranks(self) -> int:
+        """Ranks this engine takes in a weight-transfer group: one per configured server."""
+        return len(self.pool.servers)
+
+    @property
     def servers(self) -> list[Server]:
         return self.pool.servers
 
@@ -245,9 +251,24 @@ class RemoteEngine(InferenceEngine):
         assert all(r is not None for r in results)
         return list(results)  # type: ignore[arg-type]
 
+    group_transports: tuple[str, ...] = ()
+    """In-memory transports the servers receive versions by (``_receive``); none: disk only."""
+
+    async def _receive(self, server: Server, call: Mapping[str, str]) -> None:
+        """Have the (paused) server join the trainer's group and receive one version (``call``:
+        ``areal_async.engines.vllm_worker`` arguments, ``rank_offset`` this server's rank)."""
+        raise NotImplementedError(f"{type(self).__name__} receives weights only from disk")
+
     async def load_weights(
-        self, version: int, location: str | os.PathLike[str] | Mapping[str, torch.Tensor]
+        self,
+        version: int,
+        location: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+        *,
+        group: Mapping[str, str] | None = None,
     ) -> float:
+        """Load ``location`` (a directory the servers read), or, with ``group``, receive the version
+        from the trainer's process group: every live server takes a rank from
+        ``group["rank_offset"]`` on (``group_ranks``), and all must receive it or this raises."""
         if isinstance(location, Mapping):
             raise ValueError(
                 f"{type(self).__name__} loads weights from a safetensors directory the servers can read, "
@@ -256,7 +277,10 @@ class RemoteEngine(InferenceEngine):
         self._ensure_running()
         pool = self.pool
         started = time.perf_counter()
-        path = await self._prepare_weights(os.fspath(location), version)
+        if group is None:
+            path = await self._prepare_weights(os.fspath(location), version)
+        else:  # revivals reload the disk copy (written behind the transfer)
+            path = os.fspath(location)
         prepared_s = time.perf_counter() - started
         async with pool.load_lock:
             self.gate.close()
@@ -264,10 +288,20 @@ class RemoteEngine(InferenceEngine):
                 interrupted = await self.gate.drain()
                 drained_s = time.perf_counter() - started - prepared_s
                 targets = [s for s in pool.servers if s.alive]
+                if group is not None and len(targets) != self.group_ranks:
+                    raise RuntimeError(
+                        f"{len(targets)} of {self.group_ranks} servers are live; the group needs all of them"
+                    )
                 async with anyio.create_task_group() as tg:
-                    for server in targets:
-                        tg.start_soon(pool.sync, server, path, version)
+                    for i, server in enumerate(targets):
+                        receive = None
+                        if group is not None:
+                            call = {**group, "rank_offset": str(int(group["rank_offset"]) + i)}
+                            receive = functools.partial(self._receive, server, call)
+                        tg.start_soon(pool.sync, server, path, version, receive)
                 loaded = [s for s in targets if s.version == version]
+                if group is not None and len(loaded) != len(targets):
+                    raise RuntimeError(f"in-memory transfer failed on some servers: {pool.errors()}")
                 if not loaded:
                     raise RuntimeError(
                         f"{self.kind} engine {self.engine_id}: no server loaded weights v{version} from "
@@ -394,12 +428,14 @@ class RemoteEngine(InferenceEngine):
         body: Any = None,
         params: Mapping[str, str] | None = None,
         what: str | None = None,
+        seconds: float | None = None,
     ) -> httpx.Response:
-        """POST a control call; 4xx -> RemoteRequestError, 5xx/transport -> ServerUnavailable."""
+        """POST a control call (``seconds``: a limit other than ``control_timeout_s``); 4xx ->
+        RemoteRequestError, 5xx/transport -> ServerUnavailable."""
         what = what or f"POST {server.url}{path}"
         try:
             response = await self.client.post(
-                f"{server.url}{path}", json=body, params=params, timeout=self.control_timeout_s
+                f"{server.url}{path}", json=body, params=params, timeout=seconds or self.control_timeout_s
             )
         except httpx.HTTPError as exc:
             raise ServerUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc

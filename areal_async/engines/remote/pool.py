@@ -18,7 +18,7 @@ The control calls themselves (`ServerControl`) belong to the engine of each serv
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -204,14 +204,17 @@ class ServerPool:
                 if self.is_usable(server):
                     self._log.info("server revived", url=server.url, policy_version=self.version)
 
-    async def sync(self, server: Server, path: str, version: int) -> None:
-        """pause -> reload -> reset cache -> resume on one server; marks it in sync or not."""
+    async def sync(
+        self, server: Server, path: str, version: int, reload: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """pause -> reload (``reload()`` when given: an in-memory transfer) -> reset cache -> resume
+        on one server; marks it in sync or not."""
         server.version = -1
         step = "pause"
         try:
             await self._control._pause(server)
             step = "reload"
-            await self._control._reload(server, path, version)
+            await (reload() if reload is not None else self._control._reload(server, path, version))
             step = "reset cache"
             await self._control._reset_cache(server)
             server.version = version

@@ -1,0 +1,47 @@
+"""Which engines weight-sync offers a version in memory to, and how it names their group."""
+
+from __future__ import annotations
+
+from bus.events import TransferOffer
+from workers.weight_sync import EngineState, WeightSync
+from workers.weight_transfer import group_layout
+
+
+def _sync(transport: str = "gloo") -> WeightSync:
+    sync = object.__new__(WeightSync)  # only the offer bookkeeping, no bus
+    sync.offer = (
+        5,
+        TransferOffer(transport=transport, manifest=[], digests=[], bucket_bytes=1, address="h:1"),
+    )
+    sync.epoch = 0
+    sync.engines = {
+        "gen-a": EngineState(4, 0.0, transports=(transport,)),
+        "gen-b": EngineState(4, 0.0, transports=(transport,), ranks=2),  # a remote engine with 2 servers
+        "gen-c": EngineState(4, 0.0),  # takes disk only (e.g. SGLang)
+    }
+    return sync
+
+
+def test_the_first_word_goes_in_memory_to_engines_that_take_the_transport() -> None:
+    sync = _sync()
+    load = sync.load_event(5, "/w/v5", ["gen-a", "gen-b", "gen-c"], in_memory=True)
+    assert load.engine_ids == ["gen-a", "gen-b", "gen-c"] and load.members == ["gen-a", "gen-b"]
+    assert load.ranks == [1, 2] and load.transfer is sync.offer[1] and load.group
+    assert group_layout(load) == (4, {"gen-a": 1, "gen-b": 2})  # the trainer is rank 0
+
+
+def test_a_retelling_an_old_offer_and_cuda_ipc_change_what_is_sent() -> None:
+    sync = _sync()
+    assert sync.load_event(5, "/w/v5", ["gen-a"], in_memory=False).transfer is None  # retold: disk
+    assert sync.load_event(6, "/w/v6", ["gen-a"], in_memory=True).transfer is None  # no offer for v6
+    ipc = _sync("cuda_ipc").load_event(5, "/w/v5", ["gen-a"], in_memory=True)
+    assert ipc.members == ["gen-a"] and ipc.group == ""  # nothing to rendezvous
+
+
+def test_the_group_name_is_kept_while_nothing_changes_and_changes_with_members_or_epoch() -> None:
+    sync = _sync()
+    first = sync.load_event(5, "/w/v5", ["gen-a", "gen-b"], in_memory=True).group
+    assert sync.load_event(5, "/w/v5", ["gen-a", "gen-b"], in_memory=True).group == first
+    assert sync.load_event(5, "/w/v5", ["gen-a"], in_memory=True).group != first
+    sync.epoch += 1
+    assert sync.load_event(5, "/w/v5", ["gen-a", "gen-b"], in_memory=True).group != first

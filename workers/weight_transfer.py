@@ -1,0 +1,275 @@
+"""In-memory weight transfer (``weight_sync.transport`` other than ``disk``), both sides.
+
+The trainer's ``WeightSender``: ``prepare`` turns a version's snapshot into what travels: its tensors packed into buckets on the
+transfer device (``cuda_ipc``: one buffer, exported as a handle), a digest per bucket, and the
+``TransferOffer`` that ``weights.published`` carries. It returns views of the tensors inside the
+buckets, so the disk copy is written from the same bytes without a second copy of the model.
+The newest ``KEEP`` prepared versions stay in memory.
+
+``serve`` (group transports) answers every ``weights.load`` that names a group: it opens the
+group as rank 0 on its own store (the same group again for the next version while the members
+do not change) and broadcasts the version's buckets in a worker thread, one transfer at a time.
+A transfer that fails or times out is logged and the group dropped; the engines load the disk
+copy. For ``cuda_ipc`` there is nothing to serve: engines map the exported buffer.
+
+A generation worker's ``WeightReceiver`` receives an offered version (see its docstring).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+import torch
+
+from areal_async.config import RunConfig
+from areal_async.weight_transport import (
+    TransferError,
+    decode_manifest,
+    digest,
+    encode_manifest,
+    export_cuda,
+    import_cuda,
+    manifest_of,
+    open_group,
+    pack,
+    plan_buckets,
+    receive_buckets,
+    send_buckets,
+    serve_store,
+    unpack,
+)
+from bus import Bus
+from bus.events import TransferOffer, WeightsLoad
+
+log = structlog.get_logger()
+
+KEEP = 2
+"""Prepared versions held in memory: the newest, and the one engines may still be copying."""
+
+
+@dataclass
+class Prepared:
+    offer: TransferOffer
+    buffers: list[torch.Tensor]
+
+
+def transfer_host(cfg: RunConfig) -> str:
+    """The address engines reach the trainer's store at (``weight_sync.host``)."""
+    if cfg.weight_sync.host:
+        return cfg.weight_sync.host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class WeightSender:
+    def __init__(self, cfg: RunConfig, device: str | torch.device) -> None:
+        self.cfg = cfg
+        self.transport = cfg.weight_sync.transport
+        if self.transport == "disk":
+            raise ValueError("WeightSender serves in-memory transports only")
+        # gloo moves CPU buffers; nccl and cuda_ipc stay on the trainer's GPU.
+        self.device = torch.device("cpu") if self.transport == "gloo" else torch.device(device)
+        self.bucket_bytes = cfg.weight_sync.bucket_mb * 2**20
+        self.timeout_s = cfg.weight_sync.transfer_timeout_s
+        self.prepared: OrderedDict[int, Prepared] = OrderedDict()
+        self.store: Any = None
+        self.address = ""
+        if self.transport in ("gloo", "nccl"):
+            host = transfer_host(cfg)
+            self.store = serve_store(host, 0, self.timeout_s)
+            self.address = f"{host}:{self.store.port}"
+        self.group: tuple[str, Any] | None = None
+        self.lock = anyio.Lock()
+        self.newest: int | None = None
+        self.failed: set[str] = set()
+        self.sent = 0
+
+    def prepare(self, version: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pack ``tensors`` (worker thread), remember the version, and return views of them inside
+        the packed buffers (for the disk copy). ``offer(version)`` then describes it."""
+        manifest = manifest_of(tensors)
+        whole = self.transport == "cuda_ipc"
+        plan = plan_buckets(manifest, None if whole else self.bucket_bytes)
+        buffers = [pack(bucket, tensors, self.device) for bucket in plan]
+        tensors.clear()  # the snapshot's own copies are freed; the buckets hold the bytes now
+        views: dict[str, torch.Tensor] = {}
+        for bucket, buffer in zip(plan, buffers, strict=True):
+            views.update(unpack(bucket, buffer))
+        offer = TransferOffer(
+            transport=self.transport,
+            manifest=encode_manifest(manifest),
+            digests=[digest(b) for b in buffers],
+            bucket_bytes=self.bucket_bytes,
+            address=self.address,
+            handle=export_cuda(buffers[0]) if whole and buffers else b"",
+        )
+        self.prepared[version] = Prepared(offer, buffers)
+        while len(self.prepared) > KEEP:
+            self.prepared.popitem(last=False)
+        return views
+
+    def offer(self, version: int) -> TransferOffer | None:
+        held = self.prepared.get(version)
+        return held.offer if held else None
+
+    async def serve(self, bus: Bus) -> None:
+        """Join every group transfer ``weight-sync`` announces (group transports only), one at a
+        time. A transfer still waiting when a newer one is announced is skipped (its engines time
+        out and read the disk copy, and have the newer one coming): a group with a dead member
+        costs at most one ``transfer_timeout_s``, not one per queued version."""
+        if self.store is None:
+            return
+        async with anyio.create_task_group() as tg:
+            async for ev in bus.subscribe(bus.subjects.weights_load):
+                if not isinstance(ev, WeightsLoad) or ev.transfer is None or not ev.group or not ev.members:
+                    continue
+                if ev.transfer.address != self.address:
+                    continue  # announced by an earlier trainer process
+                if self.newest is None or ev.policy_version >= self.newest:
+                    self.newest = ev.policy_version
+                tg.start_soon(self._serve_one, ev)
+
+    async def _serve_one(self, ev: WeightsLoad) -> None:
+        async with self.lock:
+            if self.newest is not None and ev.policy_version < self.newest:
+                log.warning(
+                    "weight transfer skipped: a newer version is announced", policy_version=ev.policy_version
+                )
+                return
+            held = self.prepared.get(ev.policy_version)
+            if held is None:
+                log.warning(
+                    "weights.load asks for a version no longer held in memory; engines load the disk copy",
+                    policy_version=ev.policy_version,
+                )
+                return
+            if ev.group in self.failed:  # its store keys are stale: it cannot form again
+                log.warning("weight transfer refused: its group failed before", group=ev.group)
+                return
+            await self._send(ev, held)
+
+    async def _send(self, ev: WeightsLoad, held: Prepared) -> None:
+        started = time.monotonic()
+        try:
+            world_size, _ = group_layout(ev)
+            await anyio.to_thread.run_sync(self._broadcast, ev.group, world_size, held.buffers)
+        except Exception as exc:  # the engines time out and load the disk copy
+            self.group = None
+            self.failed.add(ev.group)
+            log.error(
+                "weight transfer failed; engines fall back to the disk copy",
+                policy_version=ev.policy_version,
+                group=ev.group,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            return
+        self.sent += 1
+        log.info(
+            "weights sent",
+            policy_version=ev.policy_version,
+            transport=self.transport,
+            engines=len(ev.members),
+            seconds=round(time.monotonic() - started, 4),
+        )
+
+    def _broadcast(self, name: str, world_size: int, buffers: list[torch.Tensor]) -> None:
+        if self.group is None or self.group[0] != name:
+            self.group = None
+            group = open_group(
+                self.transport,
+                self.address,
+                name,
+                rank=0,
+                world_size=world_size,
+                timeout_s=self.timeout_s,
+                store=self.store,
+            )
+            self.group = (name, group)
+        send_buckets(self.group[1], buffers)
+
+
+def group_layout(ev: WeightsLoad) -> tuple[int, dict[str, int]]:
+    """The group's size and each member's first rank (the trainer is rank 0)."""
+    ranks = list(ev.ranks) or [1] * len(ev.members)
+    if len(ranks) != len(ev.members) or min(ranks, default=1) < 1:
+        raise TransferError(f"weights.load names {len(ev.members)} members but ranks {ev.ranks}")
+    first, offset = {}, 1
+    for member, n in zip(ev.members, ranks, strict=True):
+        first[member] = offset
+        offset += n
+    return offset, first
+
+
+class WeightReceiver:
+    """A generation worker's side: receive one offered version into the engine's device.
+
+    ``receive`` (worker thread) returns the version's tensors by name, or raises: a group that does
+    not form within ``transfer_timeout_s``, a broken broadcast, a handle that cannot be mapped or
+    a digest that differs from the offer are all errors, and the caller loads the disk copy."""
+
+    def __init__(self, cfg: RunConfig, device: str | torch.device, worker_id: str) -> None:
+        self.device = torch.device(device)
+        self.worker_id = worker_id
+        self.timeout_s = cfg.weight_sync.transfer_timeout_s
+        self.group: tuple[str, Any] | None = None
+
+    def receive(self, ev: WeightsLoad) -> dict[str, torch.Tensor]:
+        offer = ev.transfer
+        assert offer is not None
+        manifest = decode_manifest(offer.manifest)
+        if offer.transport == "cuda_ipc":
+            (bucket,) = plan_buckets(manifest, None)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            buffer = import_cuda(offer.handle, device=index)
+            if len(offer.digests) != 1 or digest(buffer) != offer.digests[0]:
+                raise TransferError("the mapped CUDA IPC buffer differs from the announced digest")
+            return unpack(bucket, buffer)
+        name = ev.group
+        if self.group is None or self.group[0] != name:
+            self.group = None
+            world_size, first = group_layout(ev)
+            group = open_group(
+                offer.transport,
+                offer.address,
+                name,
+                rank=first[self.worker_id],
+                world_size=world_size,
+                timeout_s=self.timeout_s,
+            )
+            self.group = (name, group)
+        device = torch.device("cpu") if offer.transport == "gloo" else self.device
+        try:
+            return receive_buckets(
+                self.group[1], plan_buckets(manifest, offer.bucket_bytes), offer.digests, device
+            )
+        except Exception:
+            self.group = None  # a failed collective leaves the group unusable
+            raise
+
+    def server_call(self, ev: WeightsLoad) -> dict[str, str]:
+        """The ``receive_weights`` arguments for a remote engine's servers (``vllm_worker``): they
+        join the group themselves, from this worker's first rank on."""
+        offer = ev.transfer
+        if offer is None or offer.transport not in ("gloo", "nccl"):
+            raise TransferError("remote servers receive group transfers only (gloo, nccl)")
+        world_size, first = group_layout(ev)
+        return {
+            "backend": offer.transport,
+            "address": offer.address,
+            "group": ev.group,
+            "rank_offset": str(first[self.worker_id]),
+            "world_size": str(world_size),
+            "manifest": json.dumps(offer.manifest),
+            "digests": json.dumps(offer.digests),
+            "bucket_bytes": str(offer.bucket_bytes),
+            "timeout_s": str(self.timeout_s),
+        }
