@@ -17,6 +17,8 @@ off: plain PPO against the behaviour logprobs) the script runs the job with
     python -m benchmarks.bench_async --set weight_sync.dir=/dev/shm/areal-{name}   # baseline
     python -m benchmarks.bench_async --config tiny.yaml --etas 0,2 --naive-etas "" --steps 20 --out /tmp/b
     python -m benchmarks.bench_async --config configs/agent_cpu.yaml --naive-etas "" --etas 0,2,4   # episodes
+    python -m benchmarks.bench_async --config configs/gsm8k_2gpu.yaml --etas 0,1,2,4 --naive-etas "" \
+        --affinity "" --cuda-devices "generation=0;trainer=1" --dry-run     # two GPUs: what it would start
 
 Writes ``result.json`` (benchmarks.harness layout) and ``bench_async.png`` into ``--out`` with each
 run's directory; ``--save-baseline`` makes the result the baseline of its hardware (benchmark
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -50,7 +53,10 @@ METRICS: dict[str, harness.Direction] = {
 """What report --check compares (rows: one per run, ``eta<N>`` and ``naive-eta<N>``)."""
 
 
-def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> dict[str, Any]:
+def command_for(
+    args: argparse.Namespace, label: str, eta: int, decoupled: bool
+) -> tuple[list[str], dict[str, str], list[str]]:
+    """The ``areal-async run`` command of one run, the environment it adds, and its overrides."""
     run_dir = args.out / label
     overrides = [
         f"name=bench-{label}",
@@ -64,7 +70,40 @@ def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> 
     cmd = [sys.executable, "-m", "workers", "run", str(args.config), "--no-live"]
     for o in overrides:
         cmd += ["--set", o]
-    env = {**os.environ, "AREAL_CPU_AFFINITY": args.affinity, "PYTHONUNBUFFERED": "1"}
+    env = {"AREAL_CPU_AFFINITY": args.affinity, "PYTHONUNBUFFERED": "1"}
+    if args.cuda_devices:
+        env["AREAL_CUDA_DEVICES"] = args.cuda_devices
+    return cmd, env, overrides
+
+
+def placement(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """What one run starts: each role's processes, where they compute, and how weights move."""
+    from workers.launcher import _worker_env
+    from workers.roles import run_roles
+
+    cfg = load_config(args.config, overrides)
+    base = {k: v for k, v in os.environ.items() if k == "CUDA_VISIBLE_DEVICES"}
+    if args.cuda_devices:
+        base["AREAL_CUDA_DEVICES"] = args.cuda_devices
+    lines = []
+    for role in run_roles(cfg.uses_agents):
+        gpus = _worker_env(base, role, None).get("CUDA_VISIBLE_DEVICES", "all")
+        if role == "trainer":
+            what = f"{cfg.trainer.num_ranks} rank(s) on {cfg.trainer.device}"
+        elif role == "generation":
+            what = f"{cfg.rollout.engine} engine on {cfg.rollout.device}"
+        elif role == "weight-sync":
+            what = f"weights by {cfg.weight_sync.transport}"
+        else:
+            what = "CPU"
+        lines.append(f"  {role:<12} {what:<34} CUDA_VISIBLE_DEVICES={gpus}")
+    return lines
+
+
+def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> dict[str, Any]:
+    run_dir = args.out / label
+    cmd, extra, overrides = command_for(args, label, eta, decoupled)
+    env = {**os.environ, **extra}
     started = time.time()
     with open(args.out / f"{label}.log", "wb") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -154,7 +193,13 @@ def main() -> None:
         default="generation=0;agent=0;trainer=1;trainer.io=0",
         help="AREAL_CPU_AFFINITY for every run (trainer.io: the trainer's weight writer thread)",
     )
+    p.add_argument(
+        "--cuda-devices", default="", help="AREAL_CUDA_DEVICES for every run, e.g. 'generation=0;trainer=1'"
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print each run's command and placement; start nothing"
+    )
     p.add_argument(
         "--out", type=Path, default=REPO / "runs" / "bench-async", help="run dirs, result.json, the plot"
     )
@@ -165,9 +210,15 @@ def main() -> None:
         help="keep each run's checkpoints and published weights (default: deleted once summarised)",
     )
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     plan = [(f"eta{e}", int(e), True) for e in args.etas.split(",") if e.strip()]
     plan += [(f"naive-eta{e}", int(e), False) for e in args.naive_etas.split(",") if e.strip()]
+    if args.dry_run:
+        for label, eta, decoupled in plan:
+            cmd, extra, overrides = command_for(args, label, eta, decoupled)
+            print(f"{label}: {' '.join(f'{k}={shlex.quote(v)}' for k, v in extra.items())} {shlex.join(cmd)}")
+            print("\n".join(placement(args, overrides)))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for label, eta, decoupled in plan:
         rows.append(run_one(args, label, eta, decoupled))

@@ -43,6 +43,7 @@ from pathlib import Path
 from areal_async.config import RunConfig, load_config
 from areal_async.errors import ConfigError
 from bus.embedded import EmbeddedServer, EmbeddedServerError, run_credentials
+from workers.runtime import CUDA_DEVICES_ENV, cuda_devices
 
 MAX_RESTARTS = 3
 RUN_END_GRACE_S = 30.0
@@ -90,10 +91,30 @@ def _worker_argv(
 
 def _worker_env(base: Mapping[str, str], role: str, passwords: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(base)
+    visible = cuda_devices(role, base.get(CUDA_DEVICES_ENV, ""))
+    if visible is not None:  # this role's GPUs (AREAL_CUDA_DEVICES, checked in launch)
+        env["CUDA_VISIBLE_DEVICES"] = _within(visible, base.get("CUDA_VISIBLE_DEVICES", ""), role)
     if passwords is not None:  # the role's own password only; no shared token
         env.pop("AREAL_NATS_TOKEN", None)
         env["AREAL_NATS_PASSWORD"] = passwords[role]
     return env
+
+
+def _within(chosen: str, inherited: str, role: str) -> str:
+    """``chosen`` device indices counted within the devices this launcher may use: the inherited
+    ``CUDA_VISIBLE_DEVICES`` (Slurm sets it to the allocated GPUs), or the machine's when unset."""
+    allowed = [d.strip() for d in inherited.split(",") if d.strip()]
+    if not allowed:
+        return chosen
+    picked = []
+    for index in (int(i) for i in chosen.split(",")):
+        if index >= len(allowed):
+            raise ConfigError(
+                f"{CUDA_DEVICES_ENV} gives {role} device {index}, but CUDA_VISIBLE_DEVICES={inherited!r} "
+                f"holds {len(allowed)}; count devices from 0 within CUDA_VISIBLE_DEVICES"
+            )
+        picked.append(allowed[index])
+    return ",".join(picked)
 
 
 def _pump(child: Child, stream: object, out_lock: threading.Lock, echo: bool, sink: Path) -> None:
@@ -251,6 +272,10 @@ def launch(
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides)
+    try:  # checked before anything starts; each role's CUDA_VISIBLE_DEVICES comes from it
+        cuda_devices("", os.environ.get(CUDA_DEVICES_ENV, ""))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     model_path = _prepare_model(cfg, roles)
     if model_path is not None:
         overrides.append(f"model.path={model_path}")

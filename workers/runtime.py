@@ -141,41 +141,55 @@ def default_worker_id(role: str) -> str:
 AFFINITY_ENV = "AREAL_CPU_AFFINITY"
 
 
-def parse_affinity(spec: str) -> dict[str, set[int]]:
-    """Every entry of an ``AREAL_CPU_AFFINITY`` value, checked: ``{name: cores}`` (the last entry of a
-    name wins).
+def parse_affinity(spec: str, env: str = AFFINITY_ENV, unit: str = "core") -> dict[str, set[int]]:
+    """Every entry of an ``AREAL_CPU_AFFINITY`` value (or of ``env``'s, counting ``unit``s), checked:
+    ``{name: ids}`` (the last entry of a name wins).
 
-    Format ``name=cores;name=cores`` with cores like ``0``, ``0,1`` or ``2-5``. A name is a role
+    Format ``name=ids;name=ids`` with ids like ``0``, ``0,1`` or ``2-5``. A name is a role
     (``trainer``: the whole process) or ``<role>.io`` (the role's background I/O threads: the
     trainer's weight writer, which hashes and writes every new version). E.g.
     ``generation=0;trainer=1;trainer.io=0``.
     """
     found: dict[str, set[int]] = {}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
-        key, sep, cores = part.partition("=")
+        key, sep, ids = part.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ValueError(
-                f"{AFFINITY_ENV}: entry {part!r} is not NAME=CORES; write e.g. 'generation=0;trainer=1'"
+                f"{env}: entry {part!r} is not NAME={unit.upper()}S; write e.g. 'generation=0;trainer=1'"
             )
-        cpus: set[int] = set()
-        for item in cores.split(","):
+        chosen: set[int] = set()
+        for item in ids.split(","):
             lo, _, hi = item.strip().partition("-")
             try:
                 first, last = int(lo), int(hi or lo)
             except ValueError:
                 raise ValueError(
-                    f"{AFFINITY_ENV}: {key}={cores!r} has core {item.strip()!r}, which is not a "
-                    "number or a range; write cores like 0, 0,1 or 2-5"
+                    f"{env}: {key}={ids!r} has {unit} {item.strip()!r}, which is not a "
+                    f"number or a range; write {unit}s like 0, 0,1 or 2-5"
                 ) from None
             if first < 0 or last < first:
                 raise ValueError(
-                    f"{AFFINITY_ENV}: {key}={cores!r} has the empty or negative range "
+                    f"{env}: {key}={ids!r} has the empty or negative range "
                     f"{item.strip()!r}; write a range as LOW-HIGH with 0 <= LOW <= HIGH"
                 )
-            cpus.update(range(first, last + 1))
-        found[key] = cpus
+            chosen.update(range(first, last + 1))
+        found[key] = chosen
     return found
+
+
+CUDA_DEVICES_ENV = "AREAL_CUDA_DEVICES"
+
+
+def cuda_devices(role: str, spec: str | None = None) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for ``role`` from ``AREAL_CUDA_DEVICES`` (or ``spec``), e.g.
+    ``generation=0;trainer=1-2`` puts generation on GPU 0 and the trainer's ranks on GPUs 1 and 2
+    (its ``LOCAL_RANK`` counts the visible ones); None for a role it does not name."""
+    found = parse_affinity(
+        os.environ.get(CUDA_DEVICES_ENV, "") if spec is None else spec, CUDA_DEVICES_ENV, "device"
+    )
+    ids = found.get(role)
+    return None if ids is None else ",".join(str(i) for i in sorted(ids))
 
 
 def cpu_affinity(name: str, spec: str | None = None) -> set[int] | None:

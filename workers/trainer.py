@@ -163,10 +163,12 @@ class Trainer:
         self.started = time.time()
         in_memory = self.cfg.weight_sync.transport != "disk"
         self.sender = WeightSender(self.cfg, self.cfg.trainer.device) if in_memory else None
-        # On a GPU the snapshot stays there (a device copy), and the writer moves it to the host.
+        # In memory, the snapshot is the engines' dtype and stays on the GPU (a device copy, so the
+        # step does not wait for the host); the disk copy's writer moves it to the host. On disk,
+        # the float32 snapshot goes to the host (it may be several times the GPU's spare memory).
         self.snapshot_options = {
             "dtype": self.cfg.model.dtype if in_memory else "",
-            "on_device": self.cfg.trainer.device == "cuda",
+            "on_device": in_memory and self.cfg.trainer.device == "cuda",
         }
 
     @property

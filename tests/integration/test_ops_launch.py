@@ -456,6 +456,22 @@ def test_the_trainer_job_runs_torchrun_per_node_with_c10d_at_the_first_host(
     ]  # fmt: skip
 
 
+def test_the_two_gpu_job_runs_the_whole_job_with_each_role_on_its_gpu() -> None:
+    """two_gpu.sbatch: one `areal-async run` of the two-GPU run file, generation on GPU 0 and the
+    trainer on GPU 1 unless AREAL_CUDA_DEVICES says otherwise (the launcher maps them, see
+    tests/unit/test_affinity.py)."""
+    env = script_env(SLURM_SUBMIT_DIR=str(REPO))
+    argv = dry_run(["bash", SLURM_DIR / "two_gpu.sbatch"], env)
+    assert argv == [
+        "AREAL_CUDA_DEVICES=generation=0;trainer=1", f"{REPO}/.venv/bin/areal-async", "run",
+        "configs/gsm8k_2gpu.yaml", "--no-live",
+    ]  # fmt: skip
+    argv = dry_run(
+        ["bash", SLURM_DIR / "two_gpu.sbatch"], {**env, "AREAL_CUDA_DEVICES": "generation=1;trainer=0"}
+    )
+    assert argv[0] == "AREAL_CUDA_DEVICES=generation=1;trainer=0"
+
+
 def test_the_entry_scripts_are_valid_bash() -> None:
     """``bash -n`` accepts every shipped script (sbatch files are bash with #SBATCH comments)."""
     for script in [WORKER_EXEC, *SLURM_DIR.iterdir()]:

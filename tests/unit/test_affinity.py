@@ -80,3 +80,29 @@ def test_worker_with_bad_affinity_exits_2_and_says_which_entry(tmp_path):
     )
     assert "bad cpu affinity" in logged and "reward='zero'" in logged
     assert "Traceback" not in out.stderr
+
+
+def test_cuda_devices_become_each_roles_visible_devices(monkeypatch):
+    """AREAL_CUDA_DEVICES puts roles on their own GPUs: the launcher sets CUDA_VISIBLE_DEVICES."""
+    from areal_async.errors import ConfigError
+    from workers.launcher import _worker_env
+    from workers.runtime import CUDA_DEVICES_ENV, cuda_devices
+
+    spec = "generation=0;trainer=2-1"
+    with pytest.raises(
+        ValueError, match=r"AREAL_CUDA_DEVICES: trainer='2-1' has the empty or negative range"
+    ):
+        cuda_devices("trainer", spec)
+    with pytest.raises(ValueError, match=r"device 'x'"):
+        cuda_devices("trainer", "trainer=x")
+    base = {CUDA_DEVICES_ENV: "generation=0;trainer=1-2"}
+    assert _worker_env(base, "generation", None)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert _worker_env(base, "trainer", None)["CUDA_VISIBLE_DEVICES"] == "1,2"
+    assert "CUDA_VISIBLE_DEVICES" not in _worker_env(base, "reward", None)  # not named: all devices
+    # Under Slurm the allocation is CUDA_VISIBLE_DEVICES, and the indices count within it.
+    slurm = {**base, "CUDA_VISIBLE_DEVICES": "4,6,7"}
+    assert _worker_env(slurm, "generation", None)["CUDA_VISIBLE_DEVICES"] == "4"
+    assert _worker_env(slurm, "trainer", None)["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert _worker_env(slurm, "reward", None)["CUDA_VISIBLE_DEVICES"] == "4,6,7"
+    with pytest.raises(ConfigError, match=r"gives trainer device 2, but CUDA_VISIBLE_DEVICES='4,6' holds 2"):
+        _worker_env({**base, "CUDA_VISIBLE_DEVICES": "4,6"}, "trainer", None)
