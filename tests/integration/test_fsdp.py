@@ -112,6 +112,9 @@ def _rank_main(rank: int, model_dir: Path, out_dir: Path, port: int) -> None:
         result["prox_in_step"] = engine.train_step(shard, ratio_loss, compute_prox=True)
         result["prox_before"] = resumed.train_step(with_prox(resumed, shard), ratio_loss)
         torch.save(result, out_dir / f"rank{rank}.pt")
+        # Both ranks leave their last collective before either tears the group down: a rank that
+        # destroys it while its peer's gloo pair is still open can abort the peer at exit.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
