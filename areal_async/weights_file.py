@@ -19,12 +19,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from areal_async.files import fsync_tree, replace_dir
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -95,6 +98,27 @@ def write_safetensors(
                     "sha256": hashlib.sha256(raw).hexdigest(),
                 }
             )
+    return manifest
+
+
+def write_weights_dir(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    add_files: Callable[[Path], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One version's directory, atomically: ``model.safetensors``, whatever ``add_files(tmp)`` puts
+    beside it (config, tokenizer), and ``manifest.json``, written into ``<path>.tmp``, fsynced and
+    renamed to ``path``; readers see the whole directory or none. Returns the manifest."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    manifest = write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
+    if add_files is not None:
+        add_files(tmp)
+    (tmp / "manifest.json").write_text(json.dumps(manifest))
+    fsync_tree(tmp)
+    replace_dir(tmp, path)
     return manifest
 
 

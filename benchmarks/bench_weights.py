@@ -6,7 +6,7 @@ parameters of the same shapes on its GPU, as the local engine does. Per version,
 the moment the trainer has its snapshot to the moment the engine's parameters hold the new
 values (the ``weights.published`` -> ``weights.loaded`` path, without the bus's ~1 ms):
 
-- ``disk`` / ``tmpfs``: the trainer writes the version (safetensors + manifest, fsynced, renamed)
+- ``disk`` / ``tmpfs``: the trainer writes the version (``write_weights_dir``: safetensors + manifest, fsynced, renamed)
   under ``--disk-dir`` or ``/dev/shm``; the engine reads it and copies it into its parameters.
 - ``cuda_ipc``: the trainer packs the version into one buffer on its GPU, digests and exports it
   (``WeightSender.prepare``); the engine maps it, checks the digest and copies
@@ -69,22 +69,6 @@ def qwen2_weights(shape: str, device: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_version(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """What the trainer's writer does with a version: safetensors and manifest in ``<path>.tmp``,
-    fsynced, renamed to ``path``."""
-    import json
-
-    from areal_async.files import fsync_tree, replace_dir
-    from areal_async.weights_file import write_safetensors
-
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir(parents=True)
-    manifest = write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
-    (tmp / "manifest.json").write_text(json.dumps(manifest))
-    fsync_tree(tmp)
-    replace_dir(tmp, path)
-
-
 def _engine(shape: str, inbox: Any, outbox: Any) -> None:
     """The engine process: parameters on its GPU; loads what each message names, reports when done."""
     from areal_async.weights_file import read_safetensors_dir
@@ -117,6 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_weights needs CUDA (the engine's parameters live on a GPU)")
+    from areal_async.weights_file import write_weights_dir
     from bus.events import WeightsLoad
     from workers.weight_transfer import WeightSender
 
@@ -148,7 +133,7 @@ def main() -> None:
                     inbox.put(("cuda_ipc", WeightsLoad(policy_version=v, path="", transfer=sender.offer(v))))
                 else:
                     path = root / f"v{v}"
-                    write_version(path, snapshot)
+                    write_weights_dir(path, snapshot)  # what the trainer's writer does
                     prepares.append(0.0)
                     inbox.put((transport, str(path)))
                 done = outbox.get(timeout=300)

@@ -195,7 +195,6 @@ class WeightSync:
             return  # superseded by a newer version; the loop picks it up
         if scope.cancelled_caught:
             log.warning("weight sync timed out; serving with the engines that loaded", policy_version=version)
-        live = self.live_engines()
         timings = {f"load_{k}_s": e.load_s for k, e in live.items() if e.version == version}
         timings["total_s"] = time.monotonic() - started
         timings["fallbacks"] = float(self.fallbacks)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import math
 import os
 import shutil
@@ -77,8 +76,7 @@ from areal_async.engines.batching import (
     pack_tokens,
     to_device,
 )
-from areal_async.files import fsync_tree, replace_dir
-from areal_async.weights_file import write_safetensors
+from areal_async.weights_file import write_weights_dir
 
 log = structlog.get_logger(__name__)
 
@@ -705,19 +703,16 @@ class FSDPTrainEngine:
         """
         start = time.perf_counter()
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        manifest = write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
-        config = copy.deepcopy(self.config)
-        config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
-        config.save_pretrained(tmp)
-        for name in TOKENIZER_FILES:
-            if (self.model_path / name).is_file():
-                shutil.copy2(self.model_path / name, tmp / name)
-        (tmp / "manifest.json").write_text(json.dumps(manifest))
-        fsync_tree(tmp)
-        replace_dir(tmp, path)
+
+        def add_files(tmp: Path) -> None:  # config in the weights' dtype, and the tokenizer
+            config = copy.deepcopy(self.config)
+            config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+            config.save_pretrained(tmp)
+            for name in TOKENIZER_FILES:
+                if (self.model_path / name).is_file():
+                    shutil.copy2(self.model_path / name, tmp / name)
+
+        manifest = write_weights_dir(path, tensors, add_files)
         log.info(
             "weights saved",
             path=str(path),
