@@ -27,10 +27,10 @@ import anyio
 import structlog
 
 from areal_async.agents import WorkflowContext, resolve_workflow
-from areal_async.config import load_config
 from areal_async.data import load_dataset
 from areal_async.models import load_tokenizer
 from areal_async.rewards.registry import call_reward, resolve_reward
+from areal_async.run_file import load_config
 from benchmarks import harness
 from bus import ConnectOptions, EmbeddedServer, connect
 from workers.agent import BusClient, make_tools

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_async.config import load_config
+from areal_async.run_file import load_config
 from benchmarks import harness
 from workers.report import read_jsonl
 

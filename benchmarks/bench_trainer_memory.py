@@ -222,8 +222,8 @@ async def run(args: argparse.Namespace) -> Recorder:
     """The worker's loop without the bus: ``workers/trainer.py`` ``serve``, ``Trainer.step`` and
     ``Trainer.write_weights`` (the same threads, the same one-slot stream to the writer)."""
     rec = Recorder()
-    from areal_async.config import load_config
     from areal_async.learner import Learner, init_trainer_process_group
+    from areal_async.run_file import load_config
     from workers.common import resolve_model_path
 
     rec.mark("imports")

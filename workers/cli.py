@@ -92,7 +92,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from areal_async.config import load_config
+    from areal_async.run_file import load_config
 
     cfg = load_config(args.config, args.overrides)
     try:

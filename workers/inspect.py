@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from areal_async.config import RunConfig, load_config
+from areal_async.config import RunConfig
 from areal_async.errors import ConfigError
+from areal_async.run_file import load_config
 
 if TYPE_CHECKING:
     from bus import Bus, ConnectOptions

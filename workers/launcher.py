@@ -40,8 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_async.config import RunConfig, load_config
+from areal_async.config import RunConfig
 from areal_async.errors import ConfigError
+from areal_async.run_file import load_config
 from bus.embedded import EmbeddedServer, EmbeddedServerError, run_credentials
 from workers.runtime import CUDA_DEVICES_ENV, cuda_devices
 

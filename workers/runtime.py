@@ -31,8 +31,9 @@ from pathlib import Path
 import anyio
 import structlog
 
-from areal_async.config import BusConfig, RunConfig, write_resolved_config
+from areal_async.config import BusConfig, RunConfig
 from areal_async.logs import configure_logging
+from areal_async.run_file import write_resolved_config
 from bus import (
     Bus,
     BusConnectError,

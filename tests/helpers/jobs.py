@@ -110,7 +110,7 @@ def finish_job(proc: subprocess.Popen[bytes], run_dir: Path, started: float, tim
 
 
 def run_job(config: Path, *overrides: str, timeout: float = 600) -> JobResult:
-    from areal_async.config import load_config
+    from areal_async.run_file import load_config
 
     run_dir = load_config(config, overrides).run_dir
     started = time.monotonic()

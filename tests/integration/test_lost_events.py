@@ -20,7 +20,7 @@ import anyio
 import msgpack
 import pytest
 
-from areal_async.config import build_config
+from areal_async.run_file import build_config
 from bus import Bus
 from bus.events import WeightsLoad
 from bus.state import RUN_ENDED, WEIGHTS_PUBLISHED, WEIGHTS_SERVED, pack, unpack

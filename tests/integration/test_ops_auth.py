@@ -363,7 +363,7 @@ async def test_a_reward_worker_may_not_touch_weights_and_survives_trying(
 
 FORGER = """
 import sys, time
-from areal_async.config import load_config
+from areal_async.run_file import load_config
 from bus import events as ev
 from workers.runtime import run_role
 

@@ -15,7 +15,7 @@ import anyio
 import msgpack
 import pytest
 
-from areal_async.config import build_config
+from areal_async.run_file import build_config
 from bus import Bus
 from bus.events import Completion, DeadLetter, RolloutGroup, ScoredGroup, decode, pack_f32, pack_i32
 from bus.state import CONTROLLER, IssuedTask, RunState

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_async.config import RunConfig, build_config, load_config, parse_override, write_resolved_config
+from areal_async.config import RunConfig
 from areal_async.errors import ConfigError
+from areal_async.run_file import build_config, load_config, parse_override, write_resolved_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
