@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from areal_async.algo.staleness import default_max_inflight
+from areal_async.lora import LoraConfig
 
 # --------------------------------------------------------------------------------------
 # The tree
@@ -459,6 +460,10 @@ class TrainerConfig:
     Triton where it runs and its launch shapes were tuned (head_dim 64 or 128), else flash. CPU
     trainers run exact SDPA per sequence whatever this says."""
 
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on the frozen base model (``areal_async/lora.py``); None: full fine-tuning.
+    Each weights version is then an adapter directory of a few MB."""
+
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks")
         _non_negative(self, "eval_every")
@@ -587,6 +592,12 @@ class RunConfig:
             raise ValueError(
                 f"weight_sync.transport {transport!r} moves weights between GPUs, but trainer.device is "
                 f"{self.trainer.device!r}; use transport gloo (CPU) or disk, or train on cuda"
+            )
+        if self.trainer.lora is not None and transport != "disk":
+            raise ValueError(
+                f"weight_sync.transport {transport!r} does not carry LoRA adapters; with trainer.lora each "
+                "version is an adapter directory of a few MB that engines load from disk in milliseconds: "
+                "set weight_sync.transport: disk (weight_sync.dir on /dev/shm keeps it in memory)"
             )
 
     @property

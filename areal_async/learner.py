@@ -228,6 +228,7 @@ class Learner:
             attention_kernel=t.attention_kernel,
             seed=cfg.seed,
             temperature=temperature,
+            lora=t.lora,
         )
         self.ref: FSDPTrainEngine | None = None
         if self.loss.kl_coef > 0:

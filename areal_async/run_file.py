@@ -145,6 +145,8 @@ def _coerce(tp: Any, value: Any, source: str, path: str) -> Any:
                 return _coerce(arg, value, source, path)
             except ConfigError as exc:
                 errors.append(str(exc))
+        if len(errors) == 1:  # `X | None`: X's own error names the key and the fix
+            raise ConfigError(errors[0])
         raise ConfigError(f"{source}:{path}: value {value!r} is not a valid {_type_name(tp)}")
     if origin is Literal:
         if value not in args:

@@ -105,15 +105,17 @@ def write_weights_dir(
     path: str | os.PathLike[str],
     tensors: Mapping[str, torch.Tensor],
     add_files: Callable[[Path], None] | None = None,
+    *,
+    filename: str = "model.safetensors",
 ) -> list[dict[str, Any]]:
-    """One version's directory, atomically: ``model.safetensors``, whatever ``add_files(tmp)`` puts
+    """One version's directory, atomically: the tensors in ``filename``, whatever ``add_files(tmp)`` puts
     beside it (config, tokenizer), and ``manifest.json``, written into ``<path>.tmp``, fsynced and
     renamed to ``path``; readers see the whole directory or none. Returns the manifest."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    manifest = write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
+    manifest = write_safetensors(tmp / filename, tensors, metadata={"format": "pt"})
     if add_files is not None:
         add_files(tmp)
     (tmp / "manifest.json").write_text(json.dumps(manifest))

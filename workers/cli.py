@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Sequence
 
@@ -135,6 +136,19 @@ def main_parser() -> argparse.ArgumentParser:
     ins.add_argument("--count", type=int, default=10, help="events to show for tail/steps/deadletter")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
 
+    exp = sub.add_parser("export", help="copy a run's trained weights (a version) out as a model directory")
+    exp.add_argument("config", help="YAML run file of the run")
+    exp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    exp.add_argument("--out", required=True, help="new directory to write")
+    exp.add_argument(
+        "--version", type=int, default=None, help="weights version (default: the newest on disk)"
+    )
+    exp.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="LoRA runs: merge the adapter into the base model (a plain HF model)",
+    )
+
     prep = sub.add_parser("prepare-model", help="convert a bundled model to a safetensors HF directory")
     prep.add_argument("name", choices=("smollm2",), help="model to prepare")
     prep.add_argument("--out", default=None, help="output directory (default: the areal-async cache)")
@@ -154,6 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from workers.inspect import inspect_main
 
             return inspect_main(args)
+        if args.command == "export":
+            from areal_async.run_file import load_config
+            from workers.export import describe, export_weights
+
+            cfg = load_config(args.config, args.overrides)
+            path = export_weights(cfg, args.out, version=args.version, merge_lora=args.merge_lora)
+            sys.stdout.write(json.dumps(describe(path)) + "\n")
+            return 0
         if args.command == "prepare-model":
             from areal_async.models import prepare_smollm2
 

@@ -385,7 +385,7 @@ class Trainer:
             total = sum(nbytes(shape, dtype) for _, shape, dtype in decode_manifest(offer.manifest))
         else:
             entries = [TensorEntry(**m) for m in manifest or []]
-            total = (Path(path) / "model.safetensors").stat().st_size
+            total = _tensor_bytes(Path(path))
             offer = None
         await self.run_state.record_then_publish(
             WEIGHTS_PUBLISHED,
@@ -429,6 +429,11 @@ class Trainer:
             seconds=round(time.monotonic() - t0, 2),
             trained=len(trained),
         )
+
+
+def _tensor_bytes(path: Path) -> int:
+    """Bytes of a version directory's safetensors files (a model's or an adapter's)."""
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
 def _tensorboard(cfg: RunConfig) -> Any:

@@ -40,21 +40,14 @@ chooses, `engines/logprobs.py`), and packed attention runs this project's Triton
 (`engines/attention_triton.py`) or FlashAttention-2 varlen (`attention_kernel` chooses,
 `varlen.pick_attention_kernel`).
 
-Weights out. `save_hf(dir)` writes a Hugging Face directory (config.json,
-model.safetensors, tokenizer files of `model_path`) atomically and returns the manifest
-`[{name, shape, dtype, sha256}]` (sha256 of each tensor's raw little-endian bytes, as
-stored in the file) on every rank. `state_dict()` / `load_state_dict()` carry model,
-optimizer, scheduler and `version` as full (unsharded) state dicts, so a checkpoint
-loads into any world size.
+Weights out, checkpoints and LoRA: `engines/fsdp_weights.py` (the `FSDPWeights` methods).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -63,9 +56,8 @@ from typing import Any, Literal
 import structlog
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from areal_async import lora as lora_lib
 from areal_async.engines import logprobs, varlen
 from areal_async.engines.batching import (
     ModelInputs,
@@ -76,27 +68,14 @@ from areal_async.engines.batching import (
     pack_tokens,
     to_device,
 )
-from areal_async.weights_file import write_weights_dir
+from areal_async.engines.fsdp_model import TokenLogprobModel
+from areal_async.engines.fsdp_weights import FSDPWeights
+from areal_async.lora import LoraConfig
 
 log = structlog.get_logger(__name__)
 
 LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, float | torch.Tensor]]]
 """`loss_fn(mb) -> (loss, stats)`; see the loss contract in the module docstring."""
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
-
-_MODEL_PREFIX = "hf."
 
 
 def init_distributed(device: str = "cpu") -> tuple[int, int]:
@@ -162,66 +141,6 @@ def lr_factor(
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class _TokenLogprobModel(nn.Module):
-    """FSDP root: decoder -> hidden states -> logprobs/entropy of the selected tokens only."""
-
-    def __init__(
-        self, hf: nn.Module, *, temperature: float, chunk_tokens: int, logprob_fn: logprobs.LogprobFn
-    ) -> None:
-        super().__init__()
-        self.hf = hf
-        self.temperature = temperature
-        self.chunk_tokens = chunk_tokens
-        self.logprob_fn = logprob_fn
-        """One of the forms in `engines/logprobs.py`."""
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        hidden_index: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
-        max_length: int = 0,
-        with_entropy: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs and entropy `[n]` of the tokens at `hidden_index + 1` (`batching.ModelInputs`).
-
-        With `cu_seqlens` the row is packed and the decoder must run one of `varlen.ATTN_IMPLEMENTATIONS`.
-        """
-        packed: dict[str, Any] = {}
-        if cu_seqlens is not None:  # read by varlen.packed_attention_forward in every layer
-            packed = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
-            packed |= {"max_length_q": max_length, "max_length_k": max_length}
-        hidden = self.hf.get_decoder()(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, **packed
-        )
-        hidden_BTH = hidden.last_hidden_state
-        head = self.hf.get_output_embeddings()
-        n, chunk = hidden_index.shape[0], self.chunk_tokens
-        if n == 0:
-            # Keep every parameter in the graph: all ranks must run the same gradient reductions.
-            anchor = head(hidden_BTH[:1, :1]).float().sum() * 0.0
-            zeros = torch.zeros(0, dtype=torch.float32, device=input_ids.device) + anchor
-            return zeros, zeros.detach()
-        # Indices come from the host: no device-to-host sync, unlike a boolean-mask select.
-        hidden_NH = hidden_BTH.flatten(0, 1).index_select(0, hidden_index)
-        targets_N = input_ids.flatten().index_select(0, hidden_index + 1)
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for start in range(0, n, chunk):
-            args = (
-                hidden_NH[start : start + chunk],
-                targets_N[start : start + chunk],
-                head,
-                self.temperature,
-                with_entropy,
-            )
-            if torch.is_grad_enabled() and n > chunk:
-                parts.append(checkpoint(self.logprob_fn, *args, use_reentrant=False))
-            else:
-                parts.append(self.logprob_fn(*args))
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
 class _StepClock:
     """Seconds from the start of a step to one marked point, read once the step has synced: CUDA
     events on CUDA, so marking adds no host-device sync; the host clock elsewhere."""
@@ -247,7 +166,7 @@ class _StepClock:
         return self.end - self.start
 
 
-class FSDPTrainEngine:
+class FSDPTrainEngine(FSDPWeights):
     """A causal LM, its AdamW optimizer and lr schedule; one instance per rank."""
 
     def __init__(
@@ -274,6 +193,7 @@ class FSDPTrainEngine:
         packed: bool | None = None,
         logprob_kernel: Literal["auto", "triton", "torch"] = "auto",
         attention_kernel: Literal["auto", "flash", "triton"] = "auto",
+        lora: LoraConfig | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -326,6 +246,11 @@ class FSDPTrainEngine:
                 enable({"use_reentrant": False})
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = lora
+        """Adapters train on the frozen base (areal_async/lora.py); None: every weight trains."""
+        if lora is not None:
+            adapters = lora_lib.inject(hf, lora, base_dtype=self.autocast_dtype or torch.float32)
+            log.info("lora adapters added", rank=lora.rank, alpha=lora.alpha, params=adapters)
         decoder_layers = hf.get_decoder().layers
         if compile:
             # Compile blocks, then shard the compiled wrappers (FSDP hooks stay outside the graphs);
@@ -333,7 +258,7 @@ class FSDPTrainEngine:
             for i, layer in enumerate(decoder_layers):
                 decoder_layers[i] = torch.compile(layer)
         layers = list(decoder_layers)
-        self.model = _TokenLogprobModel(
+        self.model = TokenLogprobModel(
             hf, temperature=temperature, chunk_tokens=logprob_chunk_tokens, logprob_fn=logprob_fn
         )
         if self.distributed:
@@ -649,108 +574,3 @@ class FSDPTrainEngine:
         if self.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total)
         return float(total)
-
-    def save_hf(
-        self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
-    ) -> list[dict[str, Any]]:
-        """Write a Hugging Face checkpoint to `path` atomically; return its manifest on every rank.
-
-        Weights are float32 (the master weights) unless `dtype` is given. Collective: all
-        ranks gather the full state dict, rank 0 writes `path.tmp` and renames it to `path`.
-        Equivalent to `snapshot_hf` followed by `write_hf` on rank 0.
-        """
-        tensors = self.snapshot_hf(dtype=dtype)
-        manifest = self.write_hf(path, tensors) if tensors is not None else []
-        if self.distributed:
-            box: list[Any] = [manifest]
-            dist.broadcast_object_list(box, src=0)
-            manifest = box[0]
-        return manifest
-
-    def snapshot_hf(
-        self, *, dtype: torch.dtype | None = None, on_device: bool = False
-    ) -> dict[str, torch.Tensor] | None:
-        """HF-named copies of the full weights on rank 0 (None on other ranks). Collective.
-
-        The copies do not alias the live parameters, so `write_hf` may run in another thread
-        while the next step trains. They are on the CPU, or with `on_device` on the training
-        device (a device-to-device copy, so the step does not wait for a host copy).
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_device)
-        )
-        if self.rank != 0:
-            return None
-        tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        tensors: dict[str, torch.Tensor] = {}
-        for key, value in state.items():
-            name = key.removeprefix(_MODEL_PREFIX)
-            if tied and name == "lm_head.weight":
-                continue
-            tensor = value.detach().to(dtype) if dtype is not None else value.detach()
-            tensors[name] = tensor.contiguous().clone()
-        return tensors
-
-    def write_hf(
-        self, path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]
-    ) -> list[dict[str, Any]]:
-        """Write `tensors` (from `snapshot_hf`) as an HF directory at `path`, atomically. Rank 0 only.
-
-        Returns the manifest `[{name, shape, dtype, sha256}]`. No collectives, no shared state:
-        safe in a background thread.
-        """
-        start = time.perf_counter()
-        path = Path(path)
-
-        def add_files(tmp: Path) -> None:  # config in the weights' dtype, and the tokenizer
-            config = copy.deepcopy(self.config)
-            config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
-            config.save_pretrained(tmp)
-            for name in TOKENIZER_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, tmp / name)
-
-        manifest = write_weights_dir(path, tensors, add_files)
-        log.info(
-            "weights saved",
-            path=str(path),
-            tensors=len(manifest),
-            seconds=round(time.perf_counter() - start, 3),
-        )
-        return manifest
-
-    def state_dict(self) -> dict[str, Any]:
-        """Full model/optimizer state (CPU), scheduler state and version. Collective.
-
-        Rank 0 gets the full tensors; other ranks get empty model/optimizer dicts. Unsharded,
-        tensors may alias live parameters: serialise before the next step.
-        """
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {
-            "model": get_model_state_dict(self.model, options=options),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
-            "scheduler": self.scheduler.state_dict(),
-            "version": self.version,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore `state_dict()`'s output. Collective: every rank passes the full state."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, state["model"], options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.version = int(state["version"])

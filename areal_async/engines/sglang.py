@@ -23,6 +23,12 @@ docs/engines.md; tested here against tests/helpers/fake_sglang.py only, since SG
 - Weight update: `POST /pause_generation {"mode": "abort"}`, `POST /update_weights_from_disk
   {"model_path": DIR, "flush_cache": true, "weight_version": "<version>"}`, `POST /flush_cache`
   (a refusal there is only logged: the update already flushed), `POST /continue_generation`.
+- LoRA adapters (engines/remote/__init__.py): `POST /load_lora_adapter {"lora_name", "lora_path"}`
+  (when a revived server answers that the name is "already loaded", the client unloads and loads it
+  again, as SGLang's own implicit reload does), `/generate` requests name it as `"lora_path": <name>`,
+  and `POST /unload_lora_adapter {"lora_name"}` drops the previous one (SGLang waits for requests that
+  use it). The server needs `--enable-lora --max-lora-rank R --lora-target-modules ...` (`LORA_FLAGS`);
+  the "LoRA is not enabled" of a server without them is reported with those flags.
 - Liveness: `GET /health`; configuration: `GET /get_model_info` (`model_path`, `weight_version`).
 """
 
@@ -45,6 +51,10 @@ from areal_async.engines.remote import (
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+LORA_FLAGS = (
+    "--enable-lora --max-lora-rank R (R >= the adapter's rank) --lora-target-modules M... (the "
+    "adapter's target modules)"
+)
 
 
 class SGLangEngine(RemoteEngine):
@@ -111,6 +121,8 @@ class SGLangEngine(RemoteEngine):
         }
         if top_k > 0:
             payload["top_logprobs_num"] = top_k
+        if attempt.adapter is not None:
+            payload["lora_path"] = attempt.adapter
         what = f"POST {server.url}/generate"
         received = 0
         async with self._post_events(server, "/generate", payload) as events:
@@ -130,6 +142,23 @@ class SGLangEngine(RemoteEngine):
             raise ServerUnavailable(f"POST {server.url}/update_weights_from_disk: not JSON") from exc
         if not result.get("success", False):
             raise ServerUnavailable(f"update_weights_from_disk failed: {result.get('message', result)}")
+
+    async def _load_adapter(self, server: Server, name: str, path: str) -> None:
+        body = {"lora_name": name, "lora_path": path}
+        try:
+            await self._post(server, "/load_lora_adapter", body=body)
+        except RemoteRequestError as exc:
+            message = str(exc)
+            if "already loaded" in message:  # the test SGLang's tokenizer_manager makes for this case
+                await self._unload_adapter(server, name)
+                await self._post(server, "/load_lora_adapter", body=body)
+            elif "not enabled" in message:
+                raise RemoteRequestError(f"{message}; restart the SGLang server with {LORA_FLAGS}") from None
+            else:
+                raise
+
+    async def _unload_adapter(self, server: Server, name: str) -> None:
+        await self._post(server, "/unload_lora_adapter", body={"lora_name": name})
 
     async def _reset_cache(self, server: Server) -> None:
         try:

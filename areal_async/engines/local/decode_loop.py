@@ -87,6 +87,8 @@ class _WeightLoad:
     done: anyio.Event
     error: BaseException | None = None
     pause_s: float = 0.0
+    adopt: bool = False
+    """`state` holds tensors made for this load alone, which may become the parameters' storage."""
 
 
 class DecodeLoop:
@@ -125,11 +127,23 @@ class DecodeLoop:
 
     # ---------------------------------------------------------- decode thread
 
-    def _apply_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy `state` into the model in place (on the decode thread, or before it starts)."""
+    def _apply_weights(self, state: Mapping[str, torch.Tensor], adopt: bool = False) -> None:
+        """Copy `state` into the model in place (on the decode thread, or before it starts). With
+        `adopt` on the CPU, tensors of the parameter's dtype and shape replace its storage instead
+        (no copy; nothing has captured CPU parameters' addresses)."""
+        adopt = adopt and self.device.type == "cpu"
         with torch.no_grad():
             for name, tensor in state.items():
-                self._params[name].copy_(tensor, non_blocking=True)
+                param = self._params[name]
+                if (
+                    adopt
+                    and tensor.dtype == param.dtype
+                    and tensor.shape == param.shape
+                    and tensor.is_contiguous()
+                ):
+                    param.data = tensor
+                else:
+                    param.copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -160,7 +174,7 @@ class DecodeLoop:
     def _load_at_boundary(self, load: _WeightLoad) -> None:
         started = time.perf_counter()
         try:
-            self._apply_weights(load.state)
+            self._apply_weights(load.state, load.adopt)
         except Exception as exc:
             load.error = exc
             self._last_error = repr(exc)

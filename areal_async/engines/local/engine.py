@@ -44,6 +44,12 @@ Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
   that were current when each token was read) and goes on decoding with the new weights: no
   re-prefill. Either way each token carries the version that sampled it and its exact log-prob under
   the distribution it was drawn from, which is what the decoupled loss's behaviour policy needs.
+- LoRA: `load_weights` of an adapter directory (areal_async/lora.py) merges `W + scale * B @ A`
+  into each targeted weight (one `addmm` each, in the weight's dtype) from a copy of the weight
+  taken before the first adapter (adapters are relative to the base model; loading full weights
+  makes those the new base), off the decode thread. The pause installs only the targeted weights,
+  on the CPU by handing the merged tensors over as their storage (no copy). Decoding runs the
+  plain model, so its speed does not change.
 - Threading: all model work runs on one dedicated decode thread; the event loop only queues requests
   and waits on anyio Events, so it never blocks. Use the engine from the event loop it was started in.
 - Each result's `stats` holds `queued_s`, `seconds`, `admit_step`, `finish_step` (engine decode-step
@@ -74,6 +80,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from areal_async import lora
 from areal_async.engines.base import (
     EngineClosedError,
     GenerationRequest,
@@ -157,6 +164,8 @@ class LocalEngine(DecodeLoop, InferenceEngine):
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
         self._params = self._parameter_names()
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """Unadapted copies of the weights adapters have changed (LoRA in the module docstring)."""
 
         self._cond = threading.Condition()
         self._incoming: deque[_Sequence] = deque()  # guarded by _cond
@@ -257,20 +266,31 @@ class LocalEngine(DecodeLoop, InferenceEngine):
         self, version: int, location: str | os.PathLike[str] | Mapping[str, torch.Tensor]
     ) -> float:
         started = time.perf_counter()
+        adapter = None
         if isinstance(location, Mapping):
             state: Mapping[str, torch.Tensor] = location
+        elif lora.is_adapter_dir(location):
+            adapter = await anyio.to_thread.run_sync(lora.read_adapter_dir, location)
+            state = {}
         else:
             state = await anyio.to_thread.run_sync(read_safetensors_dir, Path(location))
-        self._check_state(state)
+        if adapter is None:
+            self._check_state(state)
         async with self._load_lock:
+            if adapter is not None:
+                state = await anyio.to_thread.run_sync(self._merge_adapter, adapter)
+            else:
+                self._lora_base.clear()  # full weights: the next adapter applies to them
             if self._status == "closed" or self._closing:
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
             if self._thread is None:  # not started: nothing is decoding, load directly
-                await anyio.to_thread.run_sync(self._apply_weights, state)
+                await anyio.to_thread.run_sync(self._apply_weights, state, adapter is not None)
                 self._version = version
                 pause_s = 0.0
             else:
-                load = _WeightLoad(version=version, state=state, done=anyio.Event())
+                load = _WeightLoad(
+                    version=version, state=state, done=anyio.Event(), adopt=adapter is not None
+                )
                 with self._cond:
                     if self._closing:
                         raise EngineClosedError(f"engine {self.engine_id} is closed")
@@ -347,6 +367,21 @@ class LocalEngine(DecodeLoop, InferenceEngine):
             raise NotImplementedError(
                 f"LocalEngine supports full-attention models only; this model's cache layers are {kinds}"
             )
+
+    def _merge_adapter(self, adapter: lora.Adapter) -> dict[str, torch.Tensor]:
+        """The targeted weights with `adapter` merged, from the base copies (taken on first use)."""
+        targets = lora.targeted_weights(adapter)
+        unknown = [name for name in targets if name not in self._params]
+        if unknown:
+            raise ValueError(
+                f"adapter targets {len(unknown)} weights this model does not have (first: {unknown[0]!r}); "
+                "it was trained on another base model"
+            )
+        with torch.no_grad():
+            for name in targets:
+                if name not in self._lora_base:
+                    self._lora_base[name] = self._params[name].detach().clone()
+            return lora.merge(self._lora_base, adapter.tensors, adapter.scale)
 
     def _parameter_names(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters(remove_duplicate=False))

@@ -17,6 +17,14 @@ on top of the `InferenceEngine` contract in engines/base.py:
   server only after the pause, and would run on new weights after resume, belongs to a stream that is
   already closed: nothing it produces is read). `version` is updated before any new-weights stream
   opens. Servers' own pause semantics (abort / wait / keep) do not matter for correctness.
+- LoRA adapters. `load_weights` of a LoRA adapter directory (areal_async/lora.py; this client must
+  read its `adapter_config.json`) loads it on every live server as a runtime adapter named
+  `areal-v<version>`, on top of the full weights they serve (the start-up checkpoint, or the last full
+  directory loaded), through the same drain -> pause -> install -> reset cache -> resume. Every attempt
+  opened afterwards, continuations included, names that adapter; the adapter a server served before is
+  then unloaded (no stream is open, so no request uses it). A full directory makes the servers serve
+  their model itself again. A revived server gets its base reloaded if it restarted, then the adapter.
+  A server that cannot load adapters (e.g. started without LoRA) is refused with the fix in the error.
 - Dead servers. A connection error, a 5xx, a malformed reply or a read timeout on a stream marks the
   server dead; its requests continue on another server from the tokens received so far. While a server
   is dead or out of sync, requests probe it at most every `health_interval_s`; once it answers, it is

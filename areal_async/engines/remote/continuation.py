@@ -6,8 +6,10 @@ that produced it. A request is done at its first stop token, at its budget, or w
 "stop" / "length" (e.g. its context length). `failures_in_row` counts consecutive attempts that neither
 delivered a token nor were cut by the engine; the engine gives up past its `max_retries`.
 
-A continuation of a seeded request is sampled with `continuation_seed(seed, tokens so far)`, so a seeded
-completion is reproducible only if it was never interrupted.
+Each attempt names the LoRA adapter the engine serves when it opens (`Attempt.adapter`), so a
+continuation after a weight load runs on the new adapter. A continuation of a seeded request is
+sampled with `continuation_seed(seed, tokens so far)`, so a seeded completion is reproducible only if
+it was never interrupted.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Attempt:
     """The budget left."""
     seed: int | None
     """The request's seed on a first attempt, `continuation_seed(...)` on a continuation."""
+    adapter: str | None = None
+    """The LoRA adapter to generate with, by its name on the server; None: the served model itself."""
 
 
 class Continuation:
@@ -58,14 +62,15 @@ class Continuation:
         self._first_token_s = -1.0
         self._attempt_start = 0
 
-    def next_attempt(self) -> Attempt:
-        """Count one more attempt; what it asks for."""
+    def next_attempt(self, adapter: str | None = None) -> Attempt:
+        """Count one more attempt; what it asks for (on the LoRA adapter named `adapter`, if any)."""
         self.attempts += 1
         self._attempt_start = len(self.tokens)
         return Attempt(
             prompt_ids=list(self.request.prompt_ids) + self.tokens,
             max_new_tokens=self.request.sampling.max_new_tokens - len(self.tokens),
             seed=continuation_seed(self.request.sampling.seed, len(self.tokens)),
+            adapter=adapter,
         )
 
     def add(self, piece: Piece, version: int) -> int:

@@ -2,9 +2,10 @@
 
 Here: the public API (start, generate, load_weights, health, aclose), the attempt loop of one request
 and the HTTP control helpers. A subclass speaks one server API through the hooks `_describe`,
-`_stream`, `_pause`, `_reload`, `_reset_cache`, `_resume` (optionally `_prepare_weights`,
-`_weights_released`, `_check_request`). Routing and server health: pool.py; the load gate and the
-open streams: gate.py; a request's progress across attempts: continuation.py.
+`_stream`, `_pause`, `_reload`, `_load_adapter`, `_unload_adapter`, `_reset_cache`, `_resume`
+(optionally `_prepare_weights`, `_weights_released`, `_check_request`, `_lora_problem`). Routing and
+server health: pool.py; the load gate and the open streams: gate.py; a request's progress across
+attempts: continuation.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from areal_async.engines.base import (
 )
 from areal_async.engines.remote.continuation import Attempt, Continuation
 from areal_async.engines.remote.gate import Gate
-from areal_async.engines.remote.pool import Server, ServerPool
+from areal_async.engines.remote.pool import Server, ServerPool, Weights, adapter_name, adapter_rank
 from areal_async.engines.remote.wire import (
     Piece,
     RemoteRequestError,
@@ -38,6 +39,7 @@ from areal_async.engines.remote.wire import (
     iter_sse_json,
     raise_for_status,
 )
+from areal_async.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +129,20 @@ class RemoteEngine(InferenceEngine):
     @abc.abstractmethod
     async def _reload(self, server: Server, path: str, version: int) -> None:
         """Load the safetensors checkpoint directory `path` into the (paused) server."""
+
+    @abc.abstractmethod
+    async def _load_adapter(self, server: Server, name: str, path: str) -> None:
+        """Load the LoRA adapter directory `path` into the (paused) server under `name`; succeeds also
+        when the server holds `name` already (a server that was only unreachable keeps its adapters)."""
+
+    @abc.abstractmethod
+    async def _unload_adapter(self, server: Server, name: str) -> None:
+        """Unload the LoRA adapter `name` (no request uses it)."""
+
+    def _lora_problem(self, server: Server, rank: int) -> str | None:
+        """Why `server` cannot serve a rank-`rank` LoRA adapter, naming the fix; None: it can, as far as
+        its description tells."""
+        return None
 
     @abc.abstractmethod
     async def _reset_cache(self, server: Server) -> None:
@@ -266,9 +282,10 @@ class RemoteEngine(InferenceEngine):
         *,
         group: Mapping[str, str] | None = None,
     ) -> float:
-        """Load ``location`` (a directory the servers read), or, with ``group``, receive the version
-        from the trainer's process group: every live server takes a rank from
-        ``group["rank_offset"]`` on (``group_ranks``), and all must receive it or this raises."""
+        """Load ``location`` (a directory the servers read: full weights or a LoRA adapter, see the
+        module docstring), or, with ``group``, receive the version from the trainer's process group:
+        every live server takes a rank from ``group["rank_offset"]`` on (``group_ranks``), and all must
+        receive it or this raises."""
         if isinstance(location, Mapping):
             raise ValueError(
                 f"{type(self).__name__} loads weights from a safetensors directory the servers can read, "
@@ -277,12 +294,28 @@ class RemoteEngine(InferenceEngine):
         self._ensure_running()
         pool = self.pool
         started = time.perf_counter()
-        if group is None:
-            path = await self._prepare_weights(os.fspath(location), version)
-        else:  # revivals reload the disk copy (written behind the transfer)
-            path = os.fspath(location)
+        location = os.fspath(location)
+        rank = await anyio.to_thread.run_sync(adapter_rank, location)
+        if rank is not None and group is not None:
+            raise ValueError(
+                f"{location} is a LoRA adapter directory; in-memory transfers carry full weights only. "
+                "Load adapters from disk (weight_sync.transport: disk)"
+            )
+        if rank is None and group is None:
+            path = await self._prepare_weights(location, version)
+        else:  # an adapter, or the disk copy of a transfer (revivals reload it), as it is
+            path = location
         prepared_s = time.perf_counter() - started
         async with pool.load_lock:
+            if rank is None:
+                weights = Weights(path)
+            else:
+                for server in pool.servers:
+                    problem = self._lora_problem(server, rank) if server.alive else None
+                    if problem is not None:
+                        raise ConfigError(problem)
+                base = pool.weights.full if pool.weights is not None else None
+                weights = Weights(path, adapter=adapter_name(version), base=base, rank=rank)
             self.gate.close()
             try:
                 interrupted = await self.gate.drain()
@@ -298,27 +331,30 @@ class RemoteEngine(InferenceEngine):
                         if group is not None:
                             call = {**group, "rank_offset": str(int(group["rank_offset"]) + i)}
                             receive = functools.partial(self._receive, server, call)
-                        tg.start_soon(pool.sync, server, path, version, receive)
+                        tg.start_soon(pool.sync, server, weights, version, receive)
                 loaded = [s for s in targets if s.version == version]
                 if group is not None and len(loaded) != len(targets):
                     raise RuntimeError(f"in-memory transfer failed on some servers: {pool.errors()}")
                 if not loaded:
+                    what = "a LoRA adapter directory" if rank is not None else "a safetensors directory"
                     raise RuntimeError(
                         f"{self.kind} engine {self.engine_id}: no server loaded weights v{version} from "
-                        f"{path} ({pool.errors()}); the path must be a safetensors directory "
-                        "readable by the servers"
+                        f"{path} ({pool.errors()}); the path must be {what} readable by the servers"
                     )
                 pool.version = version
-                previous, pool.weights_path = pool.weights_path, path
+                previous, pool.weights = pool.weights, weights
                 self.weight_loads += 1
             finally:
                 self.gate.open()
         seconds = time.perf_counter() - started
-        if previous is not None and previous != path:  # revivals load the current path, never this one
-            await self._weights_released(previous)
+        if previous is not None:  # revivals load the current weights (and their base), never these
+            stale = {previous.path, previous.full} - {weights.path, weights.full}
+            for old in sorted(p for p in stale if p is not None):
+                await self._weights_released(old)
         self._log.info(
             "weights loaded",
             policy_version=version,
+            adapter=weights.adapter,
             seconds=round(seconds, 4),
             prepare_s=round(prepared_s, 4),
             drain_s=round(drained_s, 4),
@@ -339,6 +375,7 @@ class RemoteEngine(InferenceEngine):
             "engine_id": self.engine_id,
             "kind": self.kind,
             "version": self.pool.version,
+            "adapter": self.pool.adapter,
             "status": status,
             "inflight": self.gate.inflight,
             "requests_done": self.requests_done,
@@ -355,7 +392,7 @@ class RemoteEngine(InferenceEngine):
         progress = Continuation(request)
         while progress.finish is None:
             server, version, scope = await self._acquire(request)
-            attempt = progress.next_attempt()
+            attempt = progress.next_attempt(self.pool.adapter)  # no await since _acquire: same version
             failed = False
             try:
                 with scope:

@@ -1,22 +1,27 @@
 """The servers behind one remote engine, the weights they must serve, and their health.
 
-- `version` / `weights_path`: the weights every server must hold to serve. A server is usable when it
-  is alive and holds `version`; `pick()` returns the usable one with the fewest streams in flight
-  (ties: round robin).
+- `version` / `weights`: the weights every server must hold to serve: a full checkpoint directory, or
+  a LoRA adapter directory served under its own name on top of a base (`Weights`). A server is usable
+  when it is alive and holds `version`; `pick()` returns the usable one with the fewest streams in
+  flight (ties: round robin).
 - `mark_failed()`: the server is dead; its open streams are cut (their requests continue elsewhere from
   the tokens received so far) and it is probed again `health_interval_s` later.
 - `probe_due()`: dead or out-of-sync servers whose probe is due are probed (one prober at a time); one
   that answers is described again (it may have restarted with another configuration) and brought to
   the current weights under `load_lock` before it serves.
-- `start()` / `sync()`: describe a server, then pause -> reload -> reset cache -> resume it. It is in
-  sync only if every step before resume succeeded; a failed resume marks it dead. Server errors are
-  recorded on the server (`last_error`), never raised.
+- `start()` / `sync()`: describe a server, then pause -> install the weights -> reset cache -> resume it.
+  It is in sync only if every step before resume succeeded; a failed resume marks it dead. Server
+  errors are recorded on the server (`last_error`), never raised. A described server is taken to hold
+  the checkpoint it reports (`initial_path`), so a restarted one gets its base reloaded before the
+  current adapter; the adapter it served before is unloaded (a failure there is only logged).
 
 The control calls themselves (`ServerControl`) belong to the engine of each server API.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import httpx
 
+from areal_async import lora
 from areal_async.engines.remote.wire import RemoteRequestError, ServerUnavailable
 from areal_async.errors import ConfigError
 
@@ -32,6 +38,45 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from areal_async.engines.remote.gate import Gate
+
+
+def adapter_name(version: int) -> str:
+    """The name version `version`'s LoRA adapter has on the servers (what requests name)."""
+    return f"areal-v{version}"
+
+
+def adapter_rank(path: str) -> int | None:
+    """The rank of the LoRA adapter directory `path`; None when `path` is not one (or not readable here)."""
+    if not lora.is_adapter_dir(path):
+        return None
+    config_path = os.path.join(path, lora.ADAPTER_CONFIG)
+    try:
+        with open(config_path) as handle:
+            rank = json.load(handle)["r"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{config_path}: cannot read the adapter's rank 'r' ({exc})") from exc
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{config_path}: r must be an integer >= 1, got {rank!r}")
+    return rank
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What every server must hold to serve a version."""
+
+    path: str
+    """A full safetensors checkpoint directory, or with `adapter` a LoRA adapter directory."""
+    adapter: str | None = None
+    """The name requests use for the adapter at `path`; None: `path` holds full weights."""
+    base: str | None = None
+    """With an adapter: the full weights it applies to (None: each server's start-up checkpoint)."""
+    rank: int = 0
+    """With an adapter: its rank (servers cap the rank they accept)."""
+
+    @property
+    def full(self) -> str | None:
+        """The full weights servers hold under these weights (None: their start-up checkpoints)."""
+        return self.base if self.adapter is not None else self.path
 
 
 @dataclass(eq=False)
@@ -47,6 +92,10 @@ class Server:
     last_error: str = ""
     initial_path: str | None = None
     """The checkpoint the server was started with (re-loaded on revival before any load_weights)."""
+    base: str | None = None
+    """The full weights the server holds now (None: unknown)."""
+    adapter: str | None = None
+    """The adapter this engine last had the server load (None: none)."""
     next_probe_at: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -69,6 +118,9 @@ class ServerControl(Protocol):
     async def _is_healthy(self, server: Server) -> bool: ...
     async def _pause(self, server: Server) -> None: ...
     async def _reload(self, server: Server, path: str, version: int) -> None: ...
+    async def _load_adapter(self, server: Server, name: str, path: str) -> None: ...
+    async def _unload_adapter(self, server: Server, name: str) -> None: ...
+    def _lora_problem(self, server: Server, rank: int) -> str | None: ...
     async def _reset_cache(self, server: Server) -> None: ...
     async def _resume(self, server: Server) -> None: ...
 
@@ -92,7 +144,7 @@ def normalize_urls(server_urls: Sequence[str], *, kind: str) -> list[str]:
 
 
 class ServerPool:
-    """The servers of one engine and the weights (`version`, `weights_path`) they must serve."""
+    """The servers of one engine and the weights (`version`, `weights`) they must serve."""
 
     def __init__(
         self,
@@ -107,8 +159,8 @@ class ServerPool:
     ) -> None:
         self.servers = [Server(url) for url in normalize_urls(server_urls, kind=kind)]
         self.version = version
-        self.weights_path: str | None = None
-        """The directory the servers were last told to load (None: each keeps its start-up checkpoint)."""
+        self.weights: Weights | None = None
+        """What the servers were last told to load (None: each keeps its start-up checkpoint)."""
         self.load_lock = anyio.Lock()
         """Held while servers' weights change, by a weight load or a revival."""
         self.health_interval_s = health_interval_s
@@ -130,6 +182,17 @@ class ServerPool:
         server = candidates[self._next_server % len(candidates)]
         self._next_server += 1
         return server
+
+    @property
+    def adapter(self) -> str | None:
+        """The adapter name requests must use now (None: the served model itself)."""
+        return self.weights.adapter if self.weights is not None else None
+
+    def weights_for(self, server: Server) -> Weights | None:
+        """What `server` must load to serve the current version (None: unknown)."""
+        if self.weights is not None:
+            return self.weights
+        return Weights(server.initial_path) if server.initial_path else None
 
     def errors(self) -> str:
         """Each server's state and last error, for error messages."""
@@ -160,13 +223,14 @@ class ServerPool:
         except httpx.HTTPError as exc:
             server.last_error = f"{type(exc).__name__}: {exc}"
             return
-        path = self.weights_path or server.initial_path
-        if path is None:
+        server.base = server.initial_path
+        weights = self.weights_for(server)
+        if weights is None:
             server.last_error = "its initial checkpoint is unknown; cannot tell which weights it serves"
             return
         server.alive = True
         server.last_error = ""
-        await self.sync(server, path, self.version)
+        await self.sync(server, weights, self.version)
 
     async def probe_due(self) -> None:
         """Probe dead / out-of-sync servers whose probe is due; bring a live one to current weights."""
@@ -193,28 +257,37 @@ class ServerPool:
                 async with self.load_lock:
                     if self.is_usable(server):
                         continue
-                    path = self.weights_path or server.initial_path
-                    if path is None:
+                    server.base = server.initial_path
+                    weights = self.weights_for(server)
+                    if weights is None:
                         server.last_error = (
                             "revived, but its initial checkpoint is unknown; restart the engine"
                         )
                         continue
                     server.alive = True
-                    await self.sync(server, path, self.version)
+                    await self.sync(server, weights, self.version)
                 if self.is_usable(server):
                     self._log.info("server revived", url=server.url, policy_version=self.version)
 
     async def sync(
-        self, server: Server, path: str, version: int, reload: Callable[[], Awaitable[None]] | None = None
+        self,
+        server: Server,
+        weights: Weights,
+        version: int,
+        receive: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """pause -> reload (``reload()`` when given: an in-memory transfer) -> reset cache -> resume
-        on one server; marks it in sync or not."""
+        """pause -> install `weights` (``receive()`` when given: an in-memory transfer) -> reset cache
+        -> resume on one server; marks it in sync or not."""
         server.version = -1
         step = "pause"
         try:
             await self._control._pause(server)
-            step = "reload"
-            await (reload() if reload is not None else self._control._reload(server, path, version))
+            step = "load"
+            if receive is not None:
+                await receive()
+                server.base, server.adapter = weights.path, None
+            else:
+                await self._install(server, weights, version)
             step = "reset cache"
             await self._control._reset_cache(server)
             server.version = version
@@ -228,3 +301,26 @@ class ServerPool:
                 await self._control._resume(server)
             except (ServerUnavailable, RemoteRequestError, httpx.HTTPError) as exc:
                 self.mark_failed(server, exc)
+
+    async def _install(self, server: Server, weights: Weights, version: int) -> None:
+        """Bring the (paused) server to `weights`: reload full weights, or load the adapter (after its
+        base, where the server holds other full weights); then unload the adapter it served before."""
+        control = self._control
+        if weights.adapter is None:
+            await control._reload(server, weights.path, version)
+            server.base = weights.path
+        else:
+            problem = control._lora_problem(server, weights.rank)
+            if problem is not None:
+                raise RemoteRequestError(problem)
+            base = weights.base or server.initial_path
+            if base is not None and server.base != base:
+                await control._reload(server, base, version)
+                server.base = base
+            await control._load_adapter(server, weights.adapter, weights.path)
+        previous, server.adapter = server.adapter, weights.adapter
+        if previous is not None and previous != weights.adapter:
+            try:
+                await control._unload_adapter(server, previous)
+            except (ServerUnavailable, RemoteRequestError, httpx.HTTPError) as exc:  # e.g. it restarted
+                self._log.warning("adapter not unloaded", url=server.url, adapter=previous, error=str(exc))

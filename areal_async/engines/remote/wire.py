@@ -55,7 +55,8 @@ async def iter_sse_json(response: httpx.Response) -> AsyncIterator[dict[str, Any
 
 
 def error_message(body: bytes | str) -> str:
-    """The human part of an error body (OpenAI-style, FastAPI-style or plain text), shortened."""
+    """The human part of an error body (OpenAI-style, FastAPI-style, SGLang's `error_message` or plain
+    text), shortened."""
     text = body.decode(errors="replace") if isinstance(body, bytes) else body
     try:
         data = json.loads(text)
@@ -64,7 +65,7 @@ def error_message(body: bytes | str) -> str:
     if isinstance(data, dict):
         inner = data.get("error", data)
         if isinstance(inner, dict):
-            for key in ("message", "detail", "error"):
+            for key in ("message", "detail", "error", "error_message"):
                 if key in inner:
                     return str(inner[key])[:500]
         if isinstance(inner, str):

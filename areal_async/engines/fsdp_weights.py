@@ -1,0 +1,207 @@
+"""Weights out of the FSDP2 training engine, its checkpoints, and LoRA versions.
+
+`FSDPWeights` holds the methods of `FSDPTrainEngine` (engines/fsdp.py) that move whole weights in
+and out; the engine sets up the state they use (`model`, `optimizer`, `scheduler`, `config`,
+`model_path`, `rank`, `distributed`, `version`, `lora`).
+
+Weights out. `save_hf(dir)` writes a Hugging Face directory (config.json,
+model.safetensors, tokenizer files of `model_path`) atomically and returns the manifest
+`[{name, shape, dtype, sha256}]` (sha256 of each tensor's raw little-endian bytes, as
+stored in the file) on every rank. `state_dict()` / `load_state_dict()` carry model,
+optimizer, scheduler and `version` as full (unsharded) state dicts, so a checkpoint
+loads into any world size.
+
+LoRA. With `lora` (areal_async/lora.py) peft adapters wrap the target modules, the rest is
+frozen in the training dtype and only the adapters have optimizer state. A version is then the
+adapters alone: `snapshot_hf` returns them and `write_hf`/`save_hf` write an adapter directory;
+`merged_hf` gives the full weights with the adapters merged in; `state_dict` carries only the
+adapters of the model (the base is `model_path`) and refuses to load into a different `lora`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from areal_async import lora as lora_lib
+from areal_async.lora import LoraConfig
+from areal_async.weights_file import write_weights_dir
+
+log = structlog.get_logger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+_MODEL_PREFIX = "hf."
+
+
+class FSDPWeights:
+    """Whole-weight methods of `FSDPTrainEngine`; every one is collective unless it says otherwise."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    config: Any
+    model_path: Path
+    rank: int
+    distributed: bool
+    version: int
+    lora: LoraConfig | None
+
+    def save_hf(
+        self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
+    ) -> list[dict[str, Any]]:
+        """Write a Hugging Face checkpoint to `path` atomically; return its manifest on every rank.
+
+        Weights are float32 (the master weights) unless `dtype` is given. Collective: all
+        ranks gather the full state dict, rank 0 writes `path.tmp` and renames it to `path`.
+        Equivalent to `snapshot_hf` followed by `write_hf` on rank 0.
+        """
+        tensors = self.snapshot_hf(dtype=dtype)
+        manifest = self.write_hf(path, tensors) if tensors is not None else []
+        if self.distributed:
+            box: list[Any] = [manifest]
+            dist.broadcast_object_list(box, src=0)
+            manifest = box[0]
+        return manifest
+
+    def snapshot_hf(
+        self, *, dtype: torch.dtype | None = None, on_device: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """One version's weights on rank 0 (None on other ranks): HF-named copies of the full
+        weights, or with `lora` the adapters alone, named as in an adapter directory. Collective.
+
+        The copies do not alias the live parameters, so `write_hf` may run in another thread
+        while the next step trains. They are on the CPU, or with `on_device` on the training
+        device (a device-to-device copy, so the step does not wait for a host copy).
+        """
+        tensors = self._full_state(dtype=dtype, on_device=on_device, adapters_only=self.lora is not None)
+        if tensors is None or self.lora is None:
+            return tensors
+        return lora_lib.adapter_tensors(tensors)
+
+    def merged_hf(self, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """HF-named full weights on rank 0 (None elsewhere) with any adapters merged in. Collective."""
+        tensors = self._full_state(dtype=None, on_device=False, adapters_only=False)
+        if tensors is not None and self.lora is not None:
+            tensors = lora_lib.merged_state(tensors, self.lora.scale)
+        if tensors is not None and dtype is not None:
+            tensors = {name: t.to(dtype) for name, t in tensors.items()}
+        return tensors
+
+    def _full_state(
+        self, *, dtype: torch.dtype | None, on_device: bool, adapters_only: bool
+    ) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=not on_device, ignore_frozen_params=adapters_only
+        )
+        state = get_model_state_dict(self.model, options=options)
+        if self.rank != 0:
+            return None
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        tensors: dict[str, torch.Tensor] = {}
+        for key, value in state.items():
+            name = key.removeprefix(_MODEL_PREFIX)
+            if tied and name == "lm_head.weight":
+                continue
+            tensor = value.detach().to(dtype) if dtype is not None else value.detach()
+            tensors[name] = tensor.contiguous().clone()
+        return tensors
+
+    def write_hf(
+        self, path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]
+    ) -> list[dict[str, Any]]:
+        """Write `tensors` (from `snapshot_hf`) as an HF directory at `path`, atomically, or with
+        `lora` as an adapter directory. Rank 0 only.
+
+        Returns the manifest `[{name, shape, dtype, sha256}]`. No collectives, no shared state:
+        safe in a background thread.
+        """
+        start = time.perf_counter()
+        path = Path(path)
+
+        def add_files(tmp: Path) -> None:  # config in the weights' dtype, and the tokenizer
+            config = copy.deepcopy(self.config)
+            config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+            config.save_pretrained(tmp)
+            for name in TOKENIZER_FILES:
+                if (self.model_path / name).is_file():
+                    shutil.copy2(self.model_path / name, tmp / name)
+
+        if self.lora is not None:
+            manifest = lora_lib.write_adapter_dir(path, tensors, self.lora, base_model=str(self.model_path))
+        else:
+            manifest = write_weights_dir(path, tensors, add_files)
+        log.info(
+            "adapter saved" if self.lora else "weights saved",
+            path=str(path),
+            tensors=len(manifest),
+            seconds=round(time.perf_counter() - start, 3),
+        )
+        return manifest
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full model/optimizer state (CPU), scheduler state and version. Collective.
+
+        Rank 0 gets the full tensors; other ranks get empty model/optimizer dicts. Unsharded,
+        tensors may alias live parameters: serialise before the next step.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        trained = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        return {
+            "model": get_model_state_dict(self.model, options=trained if self.lora else options),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "lora": dataclasses.asdict(self.lora) if self.lora else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s output. Collective: every rank passes the full state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        saved = state.get("lora")
+        ours = dataclasses.asdict(self.lora) if self.lora else None
+        if saved != ours:
+            raise ValueError(
+                f"the checkpoint was trained with trainer.lora {saved}, this run has {ours}; resume with "
+                "the checkpoint's trainer.lora, or start a new run"
+            )
+        options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
