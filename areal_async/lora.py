@@ -39,7 +39,7 @@ _TRAINER_ADAPTER = "default"  # peft's name for the one adapter the trainer hold
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoraConfig:
     """``trainer.lora``: train low-rank adapters instead of the full model (absent: full fine-tuning)."""
 
@@ -208,20 +208,36 @@ def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def read_adapter_dir(path: str | os.PathLike[str]) -> Adapter:
-    """Read an adapter directory; refuses what this project cannot apply exactly (rsLoRA, DoRA, biases)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
+def read_adapter_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """An adapter directory's ``adapter_config.json``, checked: a rank ``r`` >= 1 and nothing this
+    project cannot apply exactly (rsLoRA, DoRA, biases)."""
+    config_path = Path(path) / ADAPTER_CONFIG
     try:
-        config = json.loads((path / ADAPTER_CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path / ADAPTER_CONFIG}: cannot read the adapter's config ({exc})") from exc
+        config = json.loads(config_path.read_text())
+        rank = config["r"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{config_path}: cannot read the adapter's config and its rank 'r' ({exc})") from exc
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{config_path}: r must be an integer >= 1, got {rank!r}")
     for key, allowed in (("use_rslora", False), ("use_dora", False), ("bias", "none")):
         if config.get(key, allowed) != allowed:
             raise ValueError(
                 f"{path}: adapter_config {key}={config[key]!r} is not supported; train with {allowed!r}"
             )
+    return config
+
+
+def adapter_rank(path: str | os.PathLike[str]) -> int | None:
+    """The rank of the adapter directory ``path``; None when ``path`` is not one."""
+    return int(read_adapter_config(path)["r"]) if is_adapter_dir(path) else None
+
+
+def read_adapter_dir(path: str | os.PathLike[str]) -> Adapter:
+    """Read an adapter directory (its config checked by ``read_adapter_config``)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = read_adapter_config(path)
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     tensors = load_file(path / ADAPTER_FILE)
     bad = [n for n in tensors if not is_adapter_name(n)]

@@ -171,6 +171,35 @@ def logprob_errors(
     return (torch.tensor(result.logprobs)[index] - want[index]).abs()
 
 
+Errors = dict[int, list[torch.Tensor]]
+
+
+def errors_by_version(
+    results: list[GenerationResult],
+    oracles: dict[int, torch.nn.Module],
+    sampling: SamplingParams,
+    versions: tuple[int, int],
+    *,
+    base: dict[int, torch.nn.Module] | None = None,
+) -> tuple[Errors, Errors, Errors]:
+    """Per version of two, the |error| of its tokens against its own oracle, against the other
+    version's, and (with `base`) against the base model; checks each result's length and stamps."""
+    first, second = versions
+    own: Errors = {first: [], second: []}
+    other: Errors = {first: [], second: []}
+    unadapted: Errors = {first: [], second: []}
+    for result in results:
+        assert len(result.token_ids) == 48 and result.finish_reason == "length"
+        assert result.versions == sorted(result.versions) and set(result.versions) <= set(versions)
+        for version in set(result.versions):
+            own[version].append(logprob_errors(oracles, result, sampling, version=version))
+            wrong = {**oracles, version: oracles[first + second - version]}
+            other[version].append(logprob_errors(wrong, result, sampling, version=version))
+            if base is not None:
+                unadapted[version].append(logprob_errors(base, result, sampling, version=version))
+    return own, other, unadapted
+
+
 def assert_close_enough(errors: torch.Tensor) -> None:
     """Server vs fp32 oracle: small on average, rarely large (low-probability tokens).
 
@@ -252,15 +281,7 @@ async def test_pause_reload_resume_mid_generation(
         [restored] = await engine.generate(requests_for(prompts[:1], greedy, "probe"))
         health = await engine.health()
     assert [r.request_id for r in results] == [r.request_id for r in requests]
-    own: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    other: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    for result in results:
-        assert len(result.token_ids) == 48 and result.finish_reason == "length"
-        assert result.versions == sorted(result.versions) and set(result.versions) <= {0, 1}
-        for version in set(result.versions):
-            own[version].append(logprob_errors(oracles, result, sampling, version=version))
-            wrong = {**oracles, version: oracles[1 - version]}
-            other[version].append(logprob_errors(wrong, result, sampling, version=version))
+    own, other, _ = errors_by_version(results, oracles, sampling, (0, 1))
     assert own[0] and own[1], f"some tokens came before the reload and some after: {health}"
     assert any(len(set(r.versions)) == 2 for r in results), "a request was interrupted and continued"
     for version in (0, 1):
@@ -363,17 +384,7 @@ async def test_lora_versions_are_served_as_runtime_adapters(
         [on_base] = await engine.generate(requests_for(prompts[:1], greedy, "probe"))
         listed_after_full = await served_adapters(vllm_url)
         health = await engine.health()
-    own: dict[int, list[torch.Tensor]] = {1: [], 2: []}
-    other: dict[int, list[torch.Tensor]] = {1: [], 2: []}
-    unadapted: dict[int, list[torch.Tensor]] = {1: [], 2: []}
-    for result in results:
-        assert len(result.token_ids) == 48 and result.finish_reason == "length"
-        assert result.versions == sorted(result.versions) and set(result.versions) <= {1, 2}
-        for version in set(result.versions):
-            own[version].append(logprob_errors(references, result, sampling, version=version))
-            wrong = {**references, version: references[3 - version]}
-            other[version].append(logprob_errors(wrong, result, sampling, version=version))
-            unadapted[version].append(logprob_errors(base, result, sampling, version=version))
+    own, other, unadapted = errors_by_version(results, references, sampling, (1, 2), base=base)
     assert own[1] and own[2], f"some tokens came before the load of v2 and some after: {health}"
     assert any(len(set(r.versions)) == 2 for r in results), "a request was interrupted and continued"
     for version in (1, 2):

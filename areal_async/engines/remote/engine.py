@@ -23,6 +23,7 @@ import anyio
 import httpx
 import structlog
 
+from areal_async import lora
 from areal_async.engines.base import (
     EngineClosedError,
     GenerationRequest,
@@ -31,7 +32,7 @@ from areal_async.engines.base import (
 )
 from areal_async.engines.remote.continuation import Attempt, Continuation
 from areal_async.engines.remote.gate import Gate
-from areal_async.engines.remote.pool import Server, ServerPool, Weights, adapter_name, adapter_rank
+from areal_async.engines.remote.pool import Server, ServerPool, Weights, adapter_name
 from areal_async.engines.remote.wire import (
     Piece,
     RemoteRequestError,
@@ -295,7 +296,7 @@ class RemoteEngine(InferenceEngine):
         pool = self.pool
         started = time.perf_counter()
         location = os.fspath(location)
-        rank = await anyio.to_thread.run_sync(adapter_rank, location)
+        rank = await anyio.to_thread.run_sync(lora.adapter_rank, location)
         if rank is not None and group is not None:
             raise ValueError(
                 f"{location} is a LoRA adapter directory; in-memory transfers carry full weights only. "

@@ -20,8 +20,6 @@ The control calls themselves (`ServerControl`) belong to the engine of each serv
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import httpx
 
-from areal_async import lora
 from areal_async.engines.remote.wire import RemoteRequestError, ServerUnavailable
 from areal_async.errors import ConfigError
 
@@ -43,21 +40,6 @@ if TYPE_CHECKING:
 def adapter_name(version: int) -> str:
     """The name version `version`'s LoRA adapter has on the servers (what requests name)."""
     return f"areal-v{version}"
-
-
-def adapter_rank(path: str) -> int | None:
-    """The rank of the LoRA adapter directory `path`; None when `path` is not one (or not readable here)."""
-    if not lora.is_adapter_dir(path):
-        return None
-    config_path = os.path.join(path, lora.ADAPTER_CONFIG)
-    try:
-        with open(config_path) as handle:
-            rank = json.load(handle)["r"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{config_path}: cannot read the adapter's rank 'r' ({exc})") from exc
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"{config_path}: r must be an integer >= 1, got {rank!r}")
-    return rank
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,189 @@
+"""The trainer's sections of the run configuration (``trainer:`` and its ``optimizer`` and ``loss``);
+the tree they belong to and its other sections: ``areal_async/config.py``.
+
+No torch here: the CLI imports the configuration and must start fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from areal_async.config_checks import non_negative, positive
+from areal_async.lora import LoraConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
+
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of ``lr``."""
+
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+
+    def __post_init__(self) -> None:
+        positive(self, "lr")
+        non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    preset: str = "ppo_decoupled"
+    """Named recipe: ``ppo_decoupled``, ``grpo``, ``dr_grpo``, ``rloo``, ``dapo``, ``gspo``."""
+
+    eps_clip_low: float = 0.2
+    """Lower PPO clip: the ratio is clipped at 1 - eps_clip_low."""
+
+    eps_clip_high: float = 0.2
+    """Upper PPO clip (clip-higher when larger than eps_clip_low)."""
+
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (None = off)."""
+
+    decoupled: bool = True
+    """Decoupled PPO: ratio against pi_prox, times the capped behaviour weight pi_prox/pi_behave."""
+
+    behave_cap: float | None = 5.0
+    """Cap of the behaviour weight (None = uncapped)."""
+
+    behave_cap_mode: Literal["mask", "clamp"] = "mask"
+    """``mask`` drops tokens above the cap; ``clamp`` clips their weight to the cap."""
+
+    ratio_level: Literal["token", "sequence"] = "token"
+    """``sequence`` is GSPO's length-normalised sequence ratio."""
+
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """How token losses are averaged over the global batch."""
+
+    reward_bias: float = 0.0
+    """Added to every reward before scaling."""
+
+    reward_scale: float = 1.0
+    """Multiplies every reward."""
+
+    reward_clip: float | None = None
+    """Clip shaped rewards to [-c, c] (None = off)."""
+
+    group_baseline: Literal["mean", "loo", "none"] = "mean"
+    """Group baseline: group mean, leave-one-out mean (RLOO), or none."""
+
+    group_std: bool = True
+    """Divide group advantages by the group's reward std."""
+
+    batch_adv_norm: bool = True
+    """Normalise advantages over all tokens of the batch."""
+
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference model (0 = no reference model)."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator (Schulman's k1/k2/k3)."""
+
+    kl_in_reward: bool = False
+    """Put the KL penalty into the reward instead of the loss."""
+
+    overlong_buffer: int = 0
+    """DAPO overlong penalty: length of the soft-penalty zone before max_new_tokens (0 = off)."""
+
+    overlong_penalty: float = 1.0
+    """DAPO overlong penalty at max_new_tokens."""
+
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and keep sampling."""
+
+    def __post_init__(self) -> None:
+        non_negative(self, "eps_clip_low", "eps_clip_high", "kl_coef", "overlong_buffer")
+        if self.behave_cap is not None and self.behave_cap <= 1.0:
+            raise ValueError(f"behave_cap must be > 1 or null, got {self.behave_cap}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 or null, got {self.dual_clip}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    batch_size: int = 4
+    """B: prompt groups per training step."""
+
+    total_steps: int = 30
+    """Training steps of the run; the run ends after the last one."""
+
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch: padded tokens, or real tokens where the trainer packs
+    sequences into one row (CUDA with bf16)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """``bfloat16`` = autocast with fp32 master weights; ``auto`` = bfloat16 where it runs natively
+    (CUDA, CPUs with AVX-512 BF16 or AMX), float32 elsewhere (on AVX2-only CPUs bf16 is emulated,
+    ~40x slower)."""
+
+    device: str = "cpu"
+    """``cpu`` (gloo) or ``cuda`` (NCCL)."""
+
+    num_ranks: int = 1
+    """Processes of the trainer's torchrun job on this node."""
+
+    num_threads: int | None = None
+    """torch threads per trainer rank (None: torch's default)."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW and learning-rate schedule."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy loss and advantage estimation."""
+
+    ref_model: str | None = None
+    """Reference model for the KL penalty (None: the initial policy when kl_coef > 0)."""
+
+    eval_every: int = 5
+    """Evaluate on the held-out split every this many steps (0 = only at start and end)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+    compile: bool = False
+    """torch.compile each decoder layer and the token-logprob head (GPU: 22.9% -> 37.1% MFU measured)."""
+
+    logprob_kernel: Literal["auto", "triton", "torch"] = "auto"
+    """Token logprob and entropy over the logits: ``triton`` = one pass each way over the
+    ``[tokens, vocab]`` logits (CUDA, needs Triton); ``torch`` = torch ops (compiled with
+    ``compile``); ``auto`` = Triton where it runs."""
+
+    attention_kernel: Literal["auto", "triton", "flash"] = "auto"
+    """Attention over packed rows (CUDA, bf16): ``triton`` = this project's kernels (grouped K/V
+    gradients summed in registers); ``flash`` = FlashAttention-2 varlen from torch; ``auto`` =
+    Triton where it runs and its launch shapes were tuned (head_dim 64 or 128), else flash. CPU
+    trainers run exact SDPA per sequence whatever this says."""
+
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on the frozen base model (``areal_async/lora.py``); None: full fine-tuning.
+    Each weights version is then an adapter directory of a few MB."""
+
+    def __post_init__(self) -> None:
+        positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks")
+        non_negative(self, "eval_every")
+        for key in ("logprob_kernel", "attention_kernel"):
+            if getattr(self, key) == "triton" and self.device != "cuda":
+                raise ValueError(
+                    f"{key}=triton runs only on CUDA, but device is {self.device!r}; "
+                    f"set trainer.{key}=auto, or trainer.device=cuda"
+                )
