@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from areal_async.algo.staleness import default_max_inflight
 from areal_async.config_checks import non_negative, positive
-from areal_async.config_trainer import LossConfig, OptimizerConfig, TrainerConfig
+from areal_async.config_trainer import LossConfig, MegatronConfig, OptimizerConfig, TrainerConfig
 
 __all__ = [
     "AgentConfig",
@@ -25,6 +25,7 @@ __all__ = [
     "DatasetConfig",
     "LoggingConfig",
     "LossConfig",
+    "MegatronConfig",
     "ModelConfig",
     "OptimizerConfig",
     "RewardConfig",

@@ -120,6 +120,45 @@ class LossConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MegatronConfig:
+    """Parallelism of ``trainer.backend: megatron`` (``areal_async/engines/megatron.py``). The trainer's
+    ranks not used by model parallelism are data-parallel ranks."""
+
+    tensor_parallel: int = 1
+    """Ranks each layer is split over (must divide the heads, K/V heads, FFN width and vocabulary,
+    and trainer.num_ranks: tensor-parallel ranks stay within a node)."""
+
+    pipeline_parallel: int = 1
+    """Pipeline stages (must divide the layers). Only 1 is supported yet."""
+
+    context_parallel: int = 1
+    """Ranks each sequence is split over. Only 1 is supported yet."""
+
+    sequence_parallel: bool = False
+    """Split norms and dropout over the tensor-parallel ranks. Not supported yet (needs Transformer
+    Engine's layer norms)."""
+
+    def __post_init__(self) -> None:
+        positive(self, "tensor_parallel", "pipeline_parallel", "context_parallel")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError(
+                "trainer.megatron.sequence_parallel needs tensor_parallel > 1; set sequence_parallel: false"
+            )
+        unsupported = {
+            f"pipeline_parallel={self.pipeline_parallel}": self.pipeline_parallel > 1,
+            f"context_parallel={self.context_parallel}": self.context_parallel > 1,
+            "sequence_parallel=true": self.sequence_parallel,
+        }
+        bad = [key for key, used in unsupported.items() if used]
+        if bad:
+            raise ValueError(
+                f"trainer.megatron: {', '.join(bad)} is not supported yet (the backend does not drive "
+                "megatron's pipeline schedules or Transformer Engine's sequence/context-parallel layers); "
+                "use tensor_parallel with data parallelism (trainer.num_ranks), or trainer.backend: fsdp2"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     batch_size: int = 4
     """B: prompt groups per training step."""
@@ -174,6 +213,13 @@ class TrainerConfig:
     Triton where it runs and its launch shapes were tuned (head_dim 64 or 128), else flash. CPU
     trainers run exact SDPA per sequence whatever this says."""
 
+    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    """``fsdp2``: the HF model sharded by PyTorch FSDP2. ``megatron``: the model rebuilt on megatron-core
+    with tensor parallelism (Llama, Qwen2, Qwen3 families; ``pip install areal-async[megatron]``)."""
+
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallelism of the megatron backend (ignored by fsdp2)."""
+
     lora: LoraConfig | None = None
     """Train LoRA adapters on the frozen base model (``areal_async/lora.py``); None: full fine-tuning.
     Each weights version is then an adapter directory of a few MB."""
@@ -181,6 +227,15 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks")
         non_negative(self, "eval_every")
+        if self.backend == "megatron":
+            tp = self.megatron.tensor_parallel
+            if self.num_ranks % tp:
+                raise ValueError(
+                    f"trainer.megatron.tensor_parallel={tp} does not divide trainer.num_ranks={self.num_ranks} "
+                    "(tensor-parallel ranks share a node); make num_ranks a multiple of it"
+                )
+            if self.lora is not None:
+                raise ValueError("trainer.lora trains on trainer.backend: fsdp2 only; set backend: fsdp2")
         for key in ("logprob_kernel", "attention_kernel"):
             if getattr(self, key) == "triton" and self.device != "cuda":
                 raise ValueError(

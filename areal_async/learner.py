@@ -6,7 +6,7 @@ Pipeline of one step (docs/design.md section 6), on B groups of G completions:
    run's LossConfig: shaping, group baseline/std, batch normalisation, overlong penalty);
 2. the batch is split over the trainer ranks (``shard``); each rank computes reference
    logprobs (when KL is on);
-3. ``FSDPTrainEngine.train_step`` with ``policy_loss`` as the loss: when the decoupled loss is
+3. the engine's ``train_step`` (``trainer.backend``: FSDP2 or megatron) with ``policy_loss`` as the loss: when the decoupled loss is
    on it first computes pi_prox with one no-grad forward of each micro-batch
    (``compute_prox``), then updates on the same micro-batches; the denominator is the
    global one (``loss_denominator`` summed over every sequence), so the result is the
@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from areal_async.config import LossConfig, RunConfig
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine, LossFn
 from areal_async.models import set_torch_threads
+
+if TYPE_CHECKING:
+    from areal_async.engines.megatron import MegatronTrainEngine
 
 
 @dataclass(frozen=True)
@@ -208,8 +211,7 @@ class Learner:
         self.max_new_tokens = cfg.rollout.sampling.max_new_tokens
         temperature = cfg.rollout.sampling.temperature or 1.0
         set_torch_threads(t.num_threads)
-        self.engine = FSDPTrainEngine(
-            model_path,
+        common: dict[str, Any] = dict(
             dtype=t.dtype,
             lr=opt.lr,
             betas=tuple(opt.betas),
@@ -228,8 +230,14 @@ class Learner:
             attention_kernel=t.attention_kernel,
             seed=cfg.seed,
             temperature=temperature,
-            lora=t.lora,
         )
+        self.engine: FSDPTrainEngine | MegatronTrainEngine
+        if t.backend == "megatron":
+            from areal_async.engines.megatron import MegatronTrainEngine
+
+            self.engine = MegatronTrainEngine(model_path, megatron=t.megatron, **common)
+        else:
+            self.engine = FSDPTrainEngine(model_path, lora=t.lora, **common)
         self.ref: FSDPTrainEngine | None = None
         if self.loss.kl_coef > 0:
             self.ref = FSDPTrainEngine(
@@ -265,7 +273,7 @@ class Learner:
     def execute(self, cmd: LearnerCommand) -> Any:
         if cmd.op == "step":
             assert cmd.shards is not None
-            return self._step_local(cmd.shards[self.rank], cmd.denominator)
+            return self._step_local(cmd.shards[self.engine.dp_rank], cmd.denominator)
         if cmd.op == "save_weights":
             return self.engine.save_hf(cmd.path)
         if cmd.op == "snapshot":
@@ -304,7 +312,7 @@ class Learner:
         seqs, stats = build_sequences(groups, self.loss, max_new_tokens=self.max_new_tokens)
         denominator = global_denominator(seqs, self.loss, max_new_tokens=self.max_new_tokens)
         metrics = self.run(
-            LearnerCommand(op="step", shards=shard(seqs, self.world_size), denominator=denominator)
+            LearnerCommand(op="step", shards=shard(seqs, self.engine.dp_size), denominator=denominator)
         )
         return {**stats, **summarize(metrics)}
 

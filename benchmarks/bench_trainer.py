@@ -23,6 +23,9 @@ per layer and sequence of length L), as PaLM-style MFU does.
       --prompt-len 256 --completion-len 1792 --micro-batch-tokens 76800 --logprob-chunk-tokens 131072 \\
       --compile --packed on --steps 5
 
+`--backend fsdp2,megatron` runs each case on both trainer backends (megatron-core's GPT model for
+the second), back to back on the same batch.
+
 Prints a table; `--out FILE` writes the result (benchmarks.harness layout), `--save-baseline` makes
 it the baseline of its hardware.
 """
@@ -141,9 +144,10 @@ def peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
-    engine = FSDPTrainEngine(
-        model_dir,
+def bench_one(
+    model_dir: Path, label: str, dtype: str, backend: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    common: dict[str, Any] = dict(
         dtype=dtype,
         lr=1e-6,
         total_steps=args.warmup + args.steps,
@@ -152,11 +156,21 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
         gradient_checkpointing=args.gradient_checkpointing,
         logprob_chunk_tokens=args.logprob_chunk_tokens,
         compile=args.compile,
-        packed={"auto": None, "on": True, "off": False}[args.packed],
         logprob_kernel=args.logprob_kernel,
         attention_kernel=args.attention_kernel,
-        lora=LoraConfig(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None,
     )
+    engine: Any
+    if backend == "megatron":
+        from areal_async.engines.megatron import MegatronTrainEngine
+
+        engine = MegatronTrainEngine(model_dir, **common)  # packed rows always
+    else:
+        engine = FSDPTrainEngine(
+            model_dir,
+            packed={"auto": None, "on": True, "off": False}[args.packed],
+            lora=LoraConfig(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None,
+            **common,
+        )
     params = sum(p.numel() for p in engine.model.parameters())
     trainable = sum(p.numel() for p in engine.params)
     batch = make_batch(
@@ -200,8 +214,9 @@ def bench_one(model_dir: Path, label: str, dtype: str, args: argparse.Namespace)
     train_s = statistics.median(step_s)
     fwd_s = statistics.median(prox_s)
     row: dict[str, Any] = {
-        "case": f"{label} {dtype}" + (f" lora{args.lora}" if args.lora else ""),
+        "case": f"{label} {dtype}" + (f" lora{args.lora}" if args.lora else "") + f" {backend}",
         "model": label,
+        "backend": backend,
         "device": args.device,
         "dtype": dtype,
         "packed": engine.packed,
@@ -287,6 +302,7 @@ def profile_step(
 
 TABLE_COLUMNS = (
     "model",
+    "backend",
     "dtype",
     "packed",
     "params",
@@ -359,6 +375,11 @@ def main() -> None:
         metavar="RANK",
         help="train LoRA adapters of this rank (0: every weight)",
     )
+    parser.add_argument(
+        "--backend",
+        default="fsdp2",
+        help="comma list of trainer backends: fsdp2, megatron (megatron-core; no --lora, rows always packed)",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -373,6 +394,9 @@ def main() -> None:
     )
     harness.add_output_args(parser)
     args = parser.parse_args()
+    unknown = set(args.backend.split(",")) - {"fsdp2", "megatron"}
+    if unknown or ("megatron" in args.backend and args.lora):
+        parser.error(f"--backend takes fsdp2 and megatron (LoRA on fsdp2 only), got {args.backend!r}")
     configure_logging(level="info")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -386,10 +410,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         targets = [(build_random_model(s, Path(tmp) / s), s) for s in shapes]
         targets += [(Path(m).expanduser(), Path(m).name) for m in args.model]
-        for model_dir, label in targets:
-            for dtype in dtypes:
-                rows.append(bench_one(model_dir, label, dtype, args))
-                harness.print_table(rows[-1:], TABLE_COLUMNS)
+        # fsdp2 first: the megatron engine leaves a process group behind, which FSDP2 would shard over.
+        for backend in sorted(set(args.backend.split(",")), key=("fsdp2", "megatron").index):
+            for model_dir, label in targets:
+                for dtype in dtypes:
+                    rows.append(bench_one(model_dir, label, dtype, backend, args))
+                    harness.print_table(rows[-1:], TABLE_COLUMNS)
     print()
     harness.print_table(rows, TABLE_COLUMNS)
     result = harness.make_result(

@@ -5,23 +5,9 @@ Under torchrun (`init_distributed` creates the group: gloo on CPU, NCCL on GPU) 
 decoder layer and then the root are wrapped with `fully_shard`, parameters are sharded
 over the ranks and gradients are summed (not averaged) across ranks.
 
-Data contract. The caller scatters the batch: each rank passes its own shard of
-`TrainSequence`s to `compute_logprobs` / `train_step`, and every rank must call these
-(and `save_hf`, `state_dict`, `load_state_dict`) in the same order, because they run
-collectives. Ranks may hold different numbers of sequences (also none); the engine pads
-with empty micro-batches so all ranks run the same number of forward/backward passes.
-
-Loss contract (docs/design.md section 9). `train_step(seqs, loss_fn)` packs each rank's shard
-into micro-batches by token budget and calls `loss_fn(mb) -> (loss, stats)` once
-per micro-batch. `mb` holds the `[b, T]` tensors of `batching.collate` (input_ids, mask,
-behave_logprobs, prox_logprobs, advantages, loss_weights, ref_logprobs?) plus
-`logprobs` (pi_theta, float32, with grad), `entropy` (float32, no grad) and the 0-d
-tensor `global_tokens`: the loss denominator of the whole step over all ranks (argument
-of `train_step`; by default the trained completion tokens of all ranks, all-reduced: those
-under `mask`, which leaves out tokens a loss mask excludes). `loss` must
-already be divided by it, so that summing the micro-batch losses of all ranks gives the
-step loss; gradients are summed across ranks the same way (FSDP averaging is off).
-Stats are summed over micro-batches and ranks, except keys ending in `_max` (maximum).
+Data, loss and model contracts, micro-batching and the optimizer step: `engines/train_loop.py`
+(`TrainLoop`); this module builds the model, shards it and owns its optimizer. Every rank is a
+data-parallel rank here, so `dp_rank`/`dp_size` are the rank and world size.
 
 Packing. With `packed` (default: where `varlen.varlen_available`: CUDA, bf16) a micro-batch
 is one row of its sequences back to back, up to `micro_batch_tokens` real tokens; matmuls,
@@ -45,13 +31,10 @@ Weights out, checkpoints and LoRA: `engines/fsdp_weights.py` (the `FSDPWeights` 
 
 from __future__ import annotations
 
-import functools
-import math
 import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import structlog
 import torch
@@ -59,114 +42,32 @@ import torch.distributed as dist
 
 from areal_async import lora as lora_lib
 from areal_async.engines import logprobs, varlen
-from areal_async.engines.batching import (
-    ModelInputs,
-    TrainSequence,
-    collate,
-    model_inputs,
-    pack_lengths,
-    pack_tokens,
-    to_device,
-)
 from areal_async.engines.fsdp_model import TokenLogprobModel
 from areal_async.engines.fsdp_weights import FSDPWeights
+from areal_async.engines.train_loop import (
+    LossFn,
+    TrainLoop,
+    fast_bf16,
+    init_distributed,
+    lr_factor,
+    make_optimizer,
+    resolve_train_dtype,
+)
 from areal_async.lora import LoraConfig
 
 log = structlog.get_logger(__name__)
 
-LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, float | torch.Tensor]]]
-"""`loss_fn(mb) -> (loss, stats)`; see the loss contract in the module docstring."""
+__all__ = [
+    "FSDPTrainEngine",
+    "LossFn",
+    "fast_bf16",
+    "init_distributed",
+    "lr_factor",
+    "resolve_train_dtype",
+]
 
 
-def init_distributed(device: str = "cpu") -> tuple[int, int]:
-    """Join the torchrun process group if this process was started by torchrun.
-
-    Returns `(rank, world_size)`; `(0, 1)` without torchrun's environment. gloo on CPU,
-    NCCL on CUDA (the CUDA device is `LOCAL_RANK`).
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
-        return 0, 1
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
-def fast_bf16(device: torch.device) -> bool:
-    """True where bf16 matmuls run natively: CUDA with bf16, or a CPU with AVX-512 BF16 / AMX.
-
-    On other CPUs (AVX2 only) oneDNN emulates them: measured 43x slower than float32 for a
-    SmolLM2-sized matmul on an AMD EPYC with AVX2.
-    """
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return False
-
-
-def resolve_train_dtype(dtype: str, device: torch.device) -> str:
-    """``auto`` -> bfloat16 where it is fast, float32 elsewhere; a slow explicit bfloat16 warns."""
-    if dtype == "float32":
-        return dtype
-    fast = fast_bf16(device)
-    if dtype == "auto":
-        return "bfloat16" if fast else "float32"
-    if not fast:
-        log.warning(
-            "bfloat16 autocast is emulated on this device and far slower than float32",
-            device=str(device),
-            cpu_capability=torch.backends.cpu.get_cpu_capability(),
-            fix="set trainer.dtype: auto (or float32)",
-        )
-    return dtype
-
-
-def lr_factor(
-    step: int,
-    *,
-    warmup_steps: int,
-    total_steps: int,
-    schedule: Literal["constant", "cosine"],
-    min_lr_ratio: float,
-) -> float:
-    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up, then constant or cosine."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-class _StepClock:
-    """Seconds from the start of a step to one marked point, read once the step has synced: CUDA
-    events on CUDA, so marking adds no host-device sync; the host clock elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.start = self._now()
-        self.end: Any = None
-
-    def _now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def mark(self) -> None:
-        self.end = self._now()
-
-    def seconds(self) -> float:
-        if self.cuda:
-            return self.start.elapsed_time(self.end) / 1e3
-        return self.end - self.start
-
-
-class FSDPTrainEngine(FSDPWeights):
+class FSDPTrainEngine(TrainLoop, FSDPWeights):
     """A causal LM, its AdamW optimizer and lr schedule; one instance per rank."""
 
     def __init__(
@@ -209,6 +110,7 @@ class FSDPTrainEngine(FSDPWeights):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        self.dp_rank, self.dp_size = self.rank, self.world_size
         if device == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -278,22 +180,18 @@ class FSDPTrainEngine(FSDPWeights):
         else:
             self.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer, self.scheduler = make_optimizer(
             self.params,
+            self.device,
             lr=lr,
-            betas=(float(betas[0]), float(betas[1])),
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
-            **({"fused": True} if self.device.type == "cuda" else {}),
-        )
-        schedule = functools.partial(
-            lr_factor,
             warmup_steps=warmup_steps,
             total_steps=total_steps,
-            schedule=lr_schedule,
+            lr_schedule=lr_schedule,
             min_lr_ratio=min_lr_ratio,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         log.info(
             "train engine ready",
             model=str(self.model_path),
@@ -304,273 +202,3 @@ class FSDPTrainEngine(FSDPWeights):
             autocast=str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else None,
             fsdp=self.distributed,
         )
-
-    # ----------------------------------------------------------------- helpers
-
-    def _autocast(self) -> torch.autocast:
-        return torch.autocast(
-            self.device.type,
-            dtype=self.autocast_dtype or torch.float32,
-            enabled=self.autocast_dtype is not None,
-        )
-
-    def _all_reduce(
-        self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-    ) -> list[float]:
-        if not self.distributed:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op)
-        return t.tolist()
-
-    def _micro_batches(self, seqs: Sequence[TrainSequence]) -> list[list[int] | None]:
-        """This rank's bins, padded with None (an empty pass) to the largest bin count of any rank."""
-        pack = pack_tokens if self.packed else pack_lengths
-        bins: list[list[int] | None] = list(pack([s.length for s in seqs], self.micro_batch_tokens))
-        total = int(self._all_reduce([float(len(bins))], dist.ReduceOp.MAX)[0])
-        return bins + [None] * (total - len(bins))
-
-    def _forward(
-        self, mb: dict[str, torch.Tensor], inputs: ModelInputs, *, with_entropy: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[b, T]` logprobs and entropy of `mb`'s completion tokens (collate's layout), zero elsewhere."""
-        with self._autocast():
-            logprobs_N, entropy_N = self.model(
-                inputs.input_ids,
-                inputs.position_ids,
-                inputs.hidden_index,
-                inputs.cu_seqlens,
-                inputs.max_length,
-                with_entropy,
-            )
-        shape = mb["input_ids"].shape
-        base = torch.zeros(shape.numel(), dtype=torch.float32, device=self.device)
-        logprobs_BT = base.index_put((inputs.target_index,), logprobs_N).view(shape)
-        entropy_BT = base.index_put((inputs.target_index,), entropy_N).view(shape)
-        return logprobs_BT, entropy_BT
-
-    def _empty_batch(self) -> tuple[dict[str, torch.Tensor], ModelInputs]:
-        """A two-token pass with no completion token (keeps ranks' collectives in step)."""
-        ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long, device=self.device)
-        none = torch.zeros(0, dtype=torch.long, device=self.device)
-        inputs = ModelInputs(
-            input_ids=ids,
-            position_ids=torch.arange(2, device=self.device)[None],
-            hidden_index=none,
-            target_index=none,
-            cu_seqlens=torch.tensor([0, 2], dtype=torch.int32, device=self.device) if self.packed else None,
-            max_length=2,
-        )
-        return {"input_ids": ids}, inputs
-
-    def _collate(self, seqs: Sequence[TrainSequence]) -> tuple[dict[str, torch.Tensor], ModelInputs]:
-        """The loss batch (collate's `[b, T]` tensors) and the model's inputs, on the device."""
-        mb = collate(seqs, pad_token_id=self.pad_token_id)
-        inputs = model_inputs(seqs, mb["input_ids"], packed=self.packed).to(self.device)
-        mb = {k: to_device(v, self.device) for k, v in mb.items()}
-        return mb, inputs
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    # ------------------------------------------------------------------ public
-
-    @torch.no_grad()
-    def _logprob_pass(
-        self, seqs: Sequence[TrainSequence], bins: list[list[int] | None]
-    ) -> list[tuple[dict[str, torch.Tensor], ModelInputs, torch.Tensor] | None]:
-        """No-grad forward of every bin of `_micro_batches` (an empty pass for None): per bin its
-        collated batch, model inputs and `[b, T]` float32 logprobs (None for an empty pass)."""
-        self.model.eval()
-        out: list[tuple[dict[str, torch.Tensor], ModelInputs, torch.Tensor] | None] = []
-        for bin_ in bins:
-            if bin_ is None:
-                self._forward(*self._empty_batch(), with_entropy=False)
-                out.append(None)
-                continue
-            mb, inputs = self._collate([seqs[i] for i in bin_])
-            logprobs_BT, _ = self._forward(mb, inputs, with_entropy=False)
-            out.append((mb, inputs, logprobs_BT))
-        return out
-
-    def compute_logprobs(self, seqs: Sequence[TrainSequence]) -> list[torch.Tensor]:
-        """No-grad float32 logprobs of each sequence's completion tokens (CPU tensors of length C).
-
-        Used for reference-model logprobs (and pi_prox outside `train_step(compute_prox=True)`).
-        Collective.
-        """
-        bins = self._micro_batches(seqs)
-        order: list[int] = []
-        parts: list[torch.Tensor] = []
-        for bin_, done in zip(bins, self._logprob_pass(seqs, bins), strict=True):
-            if bin_ is None or done is None:
-                continue
-            _, inputs, logprobs_BT = done
-            # Completion tokens of the bin's rows in row order; one copy to the host at the end.
-            parts.append(logprobs_BT.flatten().index_select(0, inputs.target_index))
-            order += bin_
-        flat = torch.cat(parts).cpu() if parts else torch.zeros(0)
-        out: list[torch.Tensor] = [torch.zeros(0)] * len(seqs)
-        for i, values in zip(order, flat.split([seqs[i].num_completion_tokens for i in order]), strict=True):
-            out[i] = values.clone()
-        return out
-
-    def train_step(
-        self,
-        seqs: Sequence[TrainSequence],
-        loss_fn: LossFn,
-        *,
-        global_tokens: int | float | None = None,
-        compute_prox: bool = False,
-    ) -> dict[str, float]:
-        """One optimizer step on this rank's shard `seqs`; returns metrics reduced over ranks.
-
-        `global_tokens` is the loss denominator of the whole step, handed to `loss_fn` as
-        `mb["global_tokens"]`; None means the trained completion tokens of all ranks (token mean).
-        Pass the global sequence count (etc.) for sequence-mean aggregations.
-
-        `compute_prox`: first compute pi_prox with a no-grad forward of every micro-batch (what
-        `compute_logprobs` returns) into `mb["prox_logprobs"]`, replacing the sequences' own,
-        then update on the same micro-batches: each is collated and copied to the device once,
-        and no host round trip separates the two passes. Adds the metric prox_seconds (from the
-        start of the step to the end of that pass, slowest rank; part of compute_seconds).
-
-        Metrics: loss (sum over micro-batches and ranks), grad_norm (global, before
-        clipping), lr (used by this step), entropy (mean over trained completion tokens),
-        loss_tokens (trained completion tokens), total_tokens (non-pad tokens), tokens_per_s
-        (total_tokens / compute_seconds), compute_seconds (slowest rank), micro_batches,
-        skipped (1 when the gradient norm was not finite and the update was dropped), and
-        every key of loss_fn's stats, summed over micro-batches and ranks (keys ending in
-        `_max`: maximum). A stat named like an engine metric is reported as
-        `loss_fn/<key>`. Collective.
-        """
-        self._sync()
-        start = time.perf_counter()
-        clock = _StepClock(self.device)
-        local_loss_tokens = sum(s.num_loss_tokens for s in seqs)
-        local_tokens = sum(s.length for s in seqs)
-        if global_tokens is None:
-            global_tokens = self._all_reduce([float(local_loss_tokens)])[0]
-        denominator = torch.tensor(float(max(global_tokens, 1)), device=self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        stats_acc: dict[str, torch.Tensor] = {}
-        bins = self._micro_batches(seqs)
-        prox = self._logprob_pass(seqs, bins) if compute_prox else [None] * len(bins)
-        if compute_prox:
-            clock.mark()
-        self.model.train()
-        for k, bin_ in enumerate(bins):
-            if bin_ is None:
-                logprobs_BT, _ = self._forward(*self._empty_batch())
-                (logprobs_BT.sum() * 0.0).backward()
-                continue
-            done = prox[k]
-            prox[k] = None  # drop the pass's reference: each batch lives until its update only
-            if done is None:
-                mb, inputs = self._collate([seqs[i] for i in bin_])
-            else:
-                mb, inputs, prox_BT = done
-                mb["prox_logprobs"] = prox_BT
-            logprobs_BT, entropy_BT = self._forward(mb, inputs)
-            mb.update(logprobs=logprobs_BT, entropy=entropy_BT, global_tokens=denominator)
-            loss, stats = loss_fn(mb)
-            loss.backward()
-            loss_sum += loss.detach().double()
-            entropy_sum += (entropy_BT * mb["mask"]).sum().double()
-            for key, value in stats.items():
-                v = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
-                if key not in stats_acc:
-                    stats_acc[key] = v
-                elif key.endswith("_max"):
-                    stats_acc[key] = torch.maximum(stats_acc[key], v)
-                else:
-                    stats_acc[key] = stats_acc[key] + v
-
-        grad_norm = self._clip_gradients()
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            log.warning(
-                "non-finite gradient norm, update skipped", grad_norm=grad_norm, policy_version=self.version
-            )
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.version += 1
-        self._sync()
-        seconds = time.perf_counter() - start
-
-        engine_sums = [loss_sum, entropy_sum, float(local_tokens), float(local_loss_tokens)]
-        engine_maxes = [seconds] + ([clock.seconds()] if compute_prox else [])
-        sums, maxes = self._reduce_stats(stats_acc, engine_sums, engine_maxes)
-        loss_value, entropy_total, total_tokens, loss_tokens = (sums.pop(k) for k in range(4))
-        seconds = maxes.pop(0)
-        prox_seconds = maxes.pop(1) if compute_prox else None
-        metrics: dict[str, float] = {
-            "loss": loss_value,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "entropy": entropy_total / max(loss_tokens, 1.0),
-            "loss_tokens": loss_tokens,
-            "total_tokens": total_tokens,
-            "tokens_per_s": total_tokens / seconds if seconds > 0 else 0.0,
-            "compute_seconds": seconds,
-            "micro_batches": float(len(bins)),
-            "skipped": float(skipped),
-        }
-        if prox_seconds is not None:
-            metrics["prox_seconds"] = prox_seconds
-        for key, value in (sums | maxes).items():
-            metrics[f"loss_fn/{key}" if key in metrics else key] = value
-        log.debug("train step done", policy_version=self.version, **metrics)
-        return metrics
-
-    def _reduce_stats(
-        self, stats: dict[str, torch.Tensor], sums: list[torch.Tensor | float], maxes: list[float]
-    ) -> tuple[dict[Any, float], dict[Any, float]]:
-        """All-reduce `sums` + summed stats (SUM) and `maxes` + `_max` stats (MAX) in two collectives.
-
-        Returns dicts keyed by position for the engine values and by name for the stats.
-        """
-        keys = sorted(stats)
-        if self.distributed:
-            gathered: list[list[str]] = [[] for _ in range(self.world_size)]
-            dist.all_gather_object(gathered, keys)
-            keys = sorted(set().union(*gathered))
-        sum_keys = [k for k in keys if not k.endswith("_max")]
-        max_keys = [k for k in keys if k.endswith("_max")]
-
-        def as_tensor(value: torch.Tensor | float) -> torch.Tensor:
-            return torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
-
-        sum_t = torch.stack([as_tensor(v) for v in sums] + [as_tensor(stats.get(k, 0.0)) for k in sum_keys])
-        max_t = torch.stack(
-            [as_tensor(v) for v in maxes] + [as_tensor(stats.get(k, -math.inf)) for k in max_keys]
-        )
-        if self.distributed:
-            dist.all_reduce(sum_t)
-            dist.all_reduce(max_t, op=dist.ReduceOp.MAX)
-        sum_list, max_list = sum_t.tolist(), max_t.tolist()
-        out_sums: dict[Any, float] = dict(enumerate(sum_list[: len(sums)]))
-        out_sums.update(zip(sum_keys, sum_list[len(sums) :], strict=True))
-        out_maxes: dict[Any, float] = dict(enumerate(max_list[: len(maxes)]))
-        out_maxes.update(zip(max_keys, max_list[len(maxes) :], strict=True))
-        return out_sums, out_maxes
-
-    def _clip_gradients(self) -> float:
-        """Global gradient norm over all ranks (before clipping); clips in place when grad_clip > 0."""
-        from torch.distributed.tensor import DTensor
-
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return 0.0
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total)
-        return float(total)

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from areal_async.engines import logprobs
 
@@ -45,28 +44,13 @@ class TokenLogprobModel(nn.Module):
         hidden = self.hf.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **packed
         )
-        hidden_BTH = hidden.last_hidden_state
-        head = self.hf.get_output_embeddings()
-        n, chunk = hidden_index.shape[0], self.chunk_tokens
-        if n == 0:
-            # Keep every parameter in the graph: all ranks must run the same gradient reductions.
-            anchor = head(hidden_BTH[:1, :1]).float().sum() * 0.0
-            zeros = torch.zeros(0, dtype=torch.float32, device=input_ids.device) + anchor
-            return zeros, zeros.detach()
-        # Indices come from the host: no device-to-host sync, unlike a boolean-mask select.
-        hidden_NH = hidden_BTH.flatten(0, 1).index_select(0, hidden_index)
-        targets_N = input_ids.flatten().index_select(0, hidden_index + 1)
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for start in range(0, n, chunk):
-            args = (
-                hidden_NH[start : start + chunk],
-                targets_N[start : start + chunk],
-                head,
-                self.temperature,
-                with_entropy,
-            )
-            if torch.is_grad_enabled() and n > chunk:
-                parts.append(checkpoint(self.logprob_fn, *args, use_reentrant=False))
-            else:
-                parts.append(self.logprob_fn(*args))
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return logprobs.of_selected(
+            self.logprob_fn,
+            hidden.last_hidden_state.flatten(0, 1),
+            input_ids,
+            hidden_index,
+            self.hf.get_output_embeddings(),
+            self.temperature,
+            with_entropy,
+            self.chunk_tokens,
+        )

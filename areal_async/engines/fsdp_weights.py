@@ -56,18 +56,18 @@ TOKENIZER_FILES = (
 _MODEL_PREFIX = "hf."
 
 
-class FSDPWeights:
-    """Whole-weight methods of `FSDPTrainEngine`; every one is collective unless it says otherwise."""
+class HFWriter:
+    """`save_hf` and `write_hf` of both trainer backends; the backend provides `snapshot_hf`."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     config: Any
     model_path: Path
-    rank: int
     distributed: bool
-    version: int
     lora: LoraConfig | None
+
+    def snapshot_hf(
+        self, *, dtype: torch.dtype | None = None, on_device: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        raise NotImplementedError
 
     def save_hf(
         self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
@@ -85,6 +85,48 @@ class FSDPWeights:
             dist.broadcast_object_list(box, src=0)
             manifest = box[0]
         return manifest
+
+    def write_hf(
+        self, path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]
+    ) -> list[dict[str, Any]]:
+        """Write `tensors` (from `snapshot_hf`) as an HF directory at `path`, atomically, or with
+        `lora` as an adapter directory. Rank 0 only.
+
+        Returns the manifest `[{name, shape, dtype, sha256}]`. No collectives, no shared state:
+        safe in a background thread.
+        """
+        start = time.perf_counter()
+        path = Path(path)
+
+        def add_files(tmp: Path) -> None:  # config in the weights' dtype, and the tokenizer
+            config = copy.deepcopy(self.config)
+            config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+            config.save_pretrained(tmp)
+            for name in TOKENIZER_FILES:
+                if (self.model_path / name).is_file():
+                    shutil.copy2(self.model_path / name, tmp / name)
+
+        if self.lora is not None:
+            manifest = lora_lib.write_adapter_dir(path, tensors, self.lora, base_model=str(self.model_path))
+        else:
+            manifest = write_weights_dir(path, tensors, add_files)
+        log.info(
+            "adapter saved" if self.lora else "weights saved",
+            path=str(path),
+            tensors=len(manifest),
+            seconds=round(time.perf_counter() - start, 3),
+        )
+        return manifest
+
+
+class FSDPWeights(HFWriter):
+    """Whole-weight methods of `FSDPTrainEngine`; every one is collective unless it says otherwise."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    rank: int
+    version: int
 
     def snapshot_hf(
         self, *, dtype: torch.dtype | None = None, on_device: bool = False
@@ -131,38 +173,6 @@ class FSDPWeights:
             tensors[name] = tensor.contiguous().clone()
         return tensors
 
-    def write_hf(
-        self, path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]
-    ) -> list[dict[str, Any]]:
-        """Write `tensors` (from `snapshot_hf`) as an HF directory at `path`, atomically, or with
-        `lora` as an adapter directory. Rank 0 only.
-
-        Returns the manifest `[{name, shape, dtype, sha256}]`. No collectives, no shared state:
-        safe in a background thread.
-        """
-        start = time.perf_counter()
-        path = Path(path)
-
-        def add_files(tmp: Path) -> None:  # config in the weights' dtype, and the tokenizer
-            config = copy.deepcopy(self.config)
-            config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
-            config.save_pretrained(tmp)
-            for name in TOKENIZER_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, tmp / name)
-
-        if self.lora is not None:
-            manifest = lora_lib.write_adapter_dir(path, tensors, self.lora, base_model=str(self.model_path))
-        else:
-            manifest = write_weights_dir(path, tensors, add_files)
-        log.info(
-            "adapter saved" if self.lora else "weights saved",
-            path=str(path),
-            tensors=len(manifest),
-            seconds=round(time.perf_counter() - start, 3),
-        )
-        return manifest
-
     def state_dict(self) -> dict[str, Any]:
         """Full model/optimizer state (CPU), scheduler state and version. Collective.
 
@@ -193,6 +203,11 @@ class FSDPWeights:
             set_optimizer_state_dict,
         )
 
+        if state.get("backend", "fsdp2") != "fsdp2":
+            raise ValueError(
+                f"the checkpoint was written by trainer.backend={state['backend']}, this run uses fsdp2; "
+                "resume with the checkpoint's backend, or start a new run"
+            )
         saved = state.get("lora")
         ours = dataclasses.asdict(self.lora) if self.lora else None
         if saved != ours:

@@ -128,3 +128,44 @@ def pick_logprob_fn(device: torch.device, compile: bool, *, kernel: str = "auto"
     if compile:
         return torch.compile(token_logprobs_lse, dynamic=True)
     return token_logprobs
+
+
+def of_selected(
+    logprob_fn: LogprobFn,
+    hidden_TH: torch.Tensor,
+    input_ids: torch.Tensor,
+    hidden_index: torch.Tensor,
+    head: nn.Module,
+    temperature: float,
+    with_entropy: bool,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy `[n]` of the tokens at `hidden_index + 1` of the flattened `input_ids`,
+    from the flattened hidden states `[T, H]`: `logprob_fn` over `chunk_tokens` rows at a time. With
+    grad and more rows than one chunk, each chunk is recomputed in backward, so no `[rows, vocab]`
+    logits outlive their chunk. With no rows, every parameter still enters the graph (ranks must run
+    the same gradient reductions)."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = hidden_index.shape[0]
+    if n == 0:
+        anchor = head(hidden_TH[:1]).float().sum() * 0.0
+        zeros = torch.zeros(0, dtype=torch.float32, device=hidden_TH.device) + anchor
+        return zeros, zeros.detach()
+    # Indices come from the host: no device-to-host sync, unlike a boolean-mask select.
+    hidden_NH = hidden_TH.index_select(0, hidden_index)
+    targets_N = input_ids.flatten().index_select(0, hidden_index + 1)
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for start in range(0, n, chunk_tokens):
+        args = (
+            hidden_NH[start : start + chunk_tokens],
+            targets_N[start : start + chunk_tokens],
+            head,
+            temperature,
+            with_entropy,
+        )
+        if torch.is_grad_enabled() and n > chunk_tokens:
+            parts.append(checkpoint(logprob_fn, *args, use_reentrant=False))
+        else:
+            parts.append(logprob_fn(*args))
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

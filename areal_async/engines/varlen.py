@@ -129,7 +129,7 @@ def packed_attention_forward(
         attend = attention_triton.varlen_attention if kernel == "triton" else causal_varlen_attn
         out_NHD = attend(q_NHD, k_NHD, v_NHD, cu_seqlens, kwargs["max_length_q"], scaling)
     else:
-        out_NHD = _sdpa_per_sequence(query, key, value, cu_seqlens.tolist(), scaling)
+        out_NHD = sdpa_per_sequence(query, key, value, cu_seqlens.tolist(), scaling)
     return out_NHD.unsqueeze(0), None
 
 
@@ -151,7 +151,7 @@ def causal_varlen_attn(
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale, **causal)
 
 
-def _sdpa_per_sequence(
+def sdpa_per_sequence(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scaling: float | None
 ) -> torch.Tensor:
     """Reference path: causal SDPA on each `[start, end)` slice of the row; `[N, heads, D]`."""

@@ -232,10 +232,17 @@ def test_ctrl_c_stops_the_run_and_the_same_command_resumes_it(tmp_path: Path, ti
 
 
 @pytest.mark.timeout(900)
-def test_two_rank_trainer_under_torchrun_completes_a_run(tmp_path: Path, tiny_model: Path) -> None:
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_two_rank_trainer_under_torchrun_completes_a_run(
+    tmp_path: Path, tiny_model: Path, backend: str
+) -> None:
     """trainer.num_ranks = 2: the launcher starts the trainer under torchrun (gloo on CPU);
-    rank 0 drives the bus, rank 1 follows, and the run commits every step once."""
+    rank 0 drives the bus, rank 1 follows, and the run commits every step once. FSDP2 shards
+    over both ranks; the Megatron backend splits each layer over them (tensor_parallel 2)."""
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
     total, batch = 3, 4
+    parallel = {"backend": "megatron", "megatron": {"tensor_parallel": 2}} if backend == "megatron" else {}
     cfg = tiny_config(
         tmp_path,
         tiny_model,
@@ -247,10 +254,15 @@ def test_two_rank_trainer_under_torchrun_completes_a_run(tmp_path: Path, tiny_mo
         trainer__eval_every=0,
         dataset__eval_size=4,
         checkpoint__every_steps=2,
+        **{f"trainer__{key}": value for key, value in parallel.items()},
     )
     res = run_job(cfg, timeout=600)
     assert res.returncode == 0, res.output[-4000:]
-    assert "world_size=2" in res.output or '"world_size": 2' in res.output
+    logs = res.output + "".join(p.read_text() for p in (res.run_dir / "logs").glob("trainer*"))
+    if backend == "megatron":
+        assert '"tensor_parallel": 2' in logs
+    else:
+        assert "world_size=2" in logs or '"world_size": 2' in logs
     steps = read_steps(res.run_dir, "ranks")
     _check_exactly_once(steps, total, batch)
     assert (res.run_dir / "checkpoints" / "step_3").is_dir()

@@ -1,0 +1,421 @@
+"""Training engine on megatron-core (`trainer.backend: megatron`): the HF model rebuilt as
+megatron-core's GPT model with tensor parallelism, trained by the same loop and loss as FSDP2.
+
+Model. `megatron_layout.MegatronShape` reads the HF config (Llama, Qwen2, Qwen3 families) into a
+`TransformerConfig`; the layers are megatron-core's pure-PyTorch spec (`get_gpt_layer_local_spec`;
+Transformer Engine is not needed) with `megatron_model.PackedCoreAttention` as core attention,
+so micro-batches are always packed rows (THD) and no compute is spent on padding, on CPU too.
+The HF weights load through `megatron_layout` (name and layout mapping, tensor-parallel shards).
+
+Process model. megatron-core's `parallel_state` splits the trainer's ranks into tensor-parallel
+groups of `tensor_parallel` ranks and data-parallel groups across them. Ranks of a
+tensor-parallel group get the same shard of the batch (`dp_rank`); the learner scatters over
+`dp_size`. Under torchrun the process group is the trainer's (gloo on CPU, NCCL on CUDA);
+without torchrun the engine creates a one-rank group, because megatron-core needs one.
+Gradients are summed over the data-parallel group, then clipped by the norm over all shards
+(each tensor-parallel slice counted once). `MegatronConfig` (`trainer.megatron`) refuses
+pipeline, context and sequence parallelism: they need megatron's pipeline schedules or
+Transformer Engine, which this backend does not drive yet.
+
+Numerics as FSDP2's: float32 master weights and optimizer state, bf16 autocast with `dtype` bfloat16
+or auto, on CUDA; on CPU the backend trains in float32 (`auto` resolves to it), because megatron-core's
+linear layers re-enter autocast in backward on CUDA only.
+
+Same contracts as the FSDP2 engine: the training loop, loss and metrics (`engines/train_loop.py`);
+`snapshot_hf` / `save_hf` / `write_hf` give HF-named full weights on rank 0 (tensor-parallel
+slices gathered once per version); `state_dict` holds full (unsharded) megatron-named weights
+and AdamW moments, so a checkpoint resumes at any tensor-parallel size, and refuses to load
+into the FSDP2 backend (and the reverse).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from areal_async.config_trainer import MegatronConfig
+from areal_async.engines import logprobs, megatron_layout, varlen
+from areal_async.engines.fsdp_weights import HFWriter
+from areal_async.engines.megatron_layout import MegatronShape
+from areal_async.engines.megatron_model import (
+    MegatronLogprobModel,
+    PackedCoreAttention,
+    hf_rotary_embedding,
+    vocab_parallel_logprobs,
+)
+from areal_async.engines.train_loop import TrainLoop, init_distributed, make_optimizer, resolve_train_dtype
+
+log = structlog.get_logger(__name__)
+
+
+def _import_megatron_core() -> None:
+    """Import megatron-core's modules once, without its warnings about Transformer Engine and Apex
+    (this backend uses neither); a missing megatron-core says how to install it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning
+        )
+        try:
+            import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+            import megatron.core.tensor_parallel  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                f"trainer.backend=megatron needs megatron-core ({e}); pip install 'areal-async[megatron]'"
+            ) from e
+
+
+def _join_group(device: str) -> None:
+    """torchrun's process group, or a one-rank group on a free local port without torchrun."""
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        init_distributed(device)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def _recompute_in_backward(layer: nn.Module) -> None:
+    """Activation checkpointing of one layer with torch's non-reentrant checkpoint (megatron-core's own
+    recompute needs CUDA's RNG tracker); parameter names do not change."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = layer.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = run  # type: ignore[method-assign]
+
+
+def _init_parallel(tensor_parallel: int, world_size: int) -> None:
+    from megatron.core import parallel_state
+
+    if world_size % tensor_parallel:
+        raise ValueError(
+            f"trainer.megatron.tensor_parallel={tensor_parallel} does not divide the trainer's "
+            f"{world_size} ranks (trainer.num_ranks x nodes); choose sizes whose product divides it"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
+            raise ValueError("megatron-core's parallel state was set up with another tensor_parallel")
+        return
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+
+
+class MegatronTrainEngine(TrainLoop, HFWriter):
+    """megatron-core GPT model, its AdamW optimizer and lr schedule; one instance per rank."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        dtype: Literal["auto", "float32", "bfloat16"] = "float32",
+        lr: float = 1e-5,
+        betas: tuple[float, float] | list[float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        total_steps: int = 1,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
+        min_lr_ratio: float = 0.0,
+        grad_clip: float = 1.0,
+        micro_batch_tokens: int = 4096,
+        device: str = "cpu",
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        temperature: float = 1.0,
+        logprob_chunk_tokens: int = 4096,
+        compile: bool = False,
+        logprob_kernel: Literal["auto", "triton", "torch"] = "auto",
+        attention_kernel: Literal["auto", "flash", "triton"] = "auto",
+        megatron: MegatronConfig | None = None,
+    ) -> None:
+        from transformers import AutoConfig
+
+        if dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
+        if temperature <= 0 or micro_batch_tokens < 1 or logprob_chunk_tokens < 1:
+            raise ValueError("temperature must be > 0 and the token budgets >= 1")
+        self.model_path = Path(model_path)
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.config = hf_config
+        self.shape = MegatronShape.from_hf_config(hf_config)
+        parallel = megatron or MegatronConfig()  # checks its values
+        tensor_parallel = parallel.tensor_parallel
+        self.shape.check_parallel(
+            tensor_parallel=tensor_parallel, pipeline_parallel=parallel.pipeline_parallel
+        )
+
+        if device != "cuda":
+            # megatron-core's linear layers re-enter autocast in backward on CUDA only.
+            if dtype == "bfloat16":
+                raise ValueError(
+                    "trainer.dtype=bfloat16 with trainer.backend=megatron needs trainer.device=cuda "
+                    "(megatron-core's layers autocast on CUDA only); set trainer.dtype: auto or float32"
+                )
+            dtype = "float32"
+        _import_megatron_core()
+        _join_group(device)
+        from megatron.core import parallel_state
+        from megatron.core import tensor_parallel as mtp
+
+        self.distributed = True
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        _init_parallel(tensor_parallel, self.world_size)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = tensor_parallel
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        if device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device(device)
+        self.autocast_dtype = (
+            torch.bfloat16 if resolve_train_dtype(dtype, self.device) == "bfloat16" else None
+        )
+        logprob_fn = logprobs.pick_logprob_fn(self.device, compile, kernel=logprob_kernel)
+        if tensor_parallel > 1:
+            logprob_fn = vocab_parallel_logprobs
+        self.micro_batch_tokens = micro_batch_tokens
+        self.packed = True
+        self.attention_kernel = varlen.pick_attention_kernel(
+            self.device, attention_kernel, self.shape.head_dim
+        )
+        self.grad_clip = grad_clip
+        self.version = 0
+        self.lora = None
+        pad = getattr(hf_config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.shape.vocab_size else 0
+
+        torch.manual_seed(seed)
+        if self.device.type == "cuda":
+            mtp.model_parallel_cuda_manual_seed(seed)
+        gpt = self._build_gpt()
+        self._load_hf_weights(gpt)
+        if gradient_checkpointing:
+            for layer in gpt.decoder.layers:
+                _recompute_in_backward(layer)
+        if compile:  # in place: parameter names stay megatron-core's
+            for layer in gpt.decoder.layers:
+                layer.compile()
+        self.model = MegatronLogprobModel(
+            gpt,
+            hf_rotary_embedding(hf_config, self.shape.architecture).to(self.device),
+            temperature=temperature,
+            chunk_tokens=logprob_chunk_tokens,
+            logprob_fn=logprob_fn,
+            attention_kernel=self.attention_kernel,
+        )
+        self.named = {n: p for n, p in gpt.named_parameters() if p.requires_grad}
+        """megatron-core names -> this rank's (tensor-parallel slice of the) parameter."""
+        self.params = list(self.named.values())
+        self.optimizer, self.scheduler = make_optimizer(
+            self.params,
+            self.device,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            lr_schedule=lr_schedule,
+            min_lr_ratio=min_lr_ratio,
+        )
+        log.info(
+            "megatron train engine ready",
+            model=str(self.model_path),
+            architecture=self.shape.architecture,
+            params=sum(p.numel() for p in self.params),
+            tensor_parallel=self.tp_size,
+            data_parallel=self.dp_size,
+            device=str(self.device),
+            autocast=str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else None,
+        )
+
+    # ------------------------------------------------------------------ model
+
+    def _build_gpt(self) -> nn.Module:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        s = self.shape
+        config = TransformerConfig(
+            num_layers=s.num_layers,
+            hidden_size=s.hidden_size,
+            num_attention_heads=s.num_heads,
+            num_query_groups=s.num_kv_heads,
+            kv_channels=s.head_dim,
+            ffn_hidden_size=s.ffn_hidden_size,
+            normalization="RMSNorm",
+            layernorm_epsilon=s.norm_eps,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            add_qkv_bias=s.qkv_bias,
+            qk_layernorm=s.qk_norm,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            use_cpu_initialization=self.device.type != "cuda",
+            perform_initialization=False,  # the HF weights are loaded next
+            tensor_model_parallel_size=self.tp_size,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
+        )
+        spec = get_gpt_layer_local_spec(qk_layernorm=s.qk_norm, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=s.vocab_size,
+            max_sequence_length=int(getattr(self.config, "max_position_embeddings", 4096)),
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=s.tied,
+            position_embedding_type="none",  # PackedCoreAttention applies the HF rotary embedding
+        )
+
+    def _load_hf_weights(self, gpt: nn.Module) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(self.model_path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {self.model_path}")
+        hf: dict[str, torch.Tensor] = {}
+        for f in files:
+            hf.update(load_file(f))
+        if self.shape.tied:
+            hf.pop("lm_head.weight", None)
+        full = megatron_layout.to_megatron(hf, self.shape)
+        params = dict(gpt.named_parameters())
+        missing = sorted(set(params) - set(full))
+        if missing:
+            raise ValueError(f"{self.model_path} lacks weights for {missing[:4]} (megatron-core names)")
+        with torch.no_grad():
+            for name, param in params.items():
+                part = megatron_layout.tp_shard(name, full[name], self.tp_rank, self.tp_size)
+                param.copy_(part.to(param.dtype))
+        gpt.to(self.device)
+
+    # ------------------------------------------------------------ gradients
+
+    def _clip_gradients(self) -> float:
+        """Sum gradients over data-parallel ranks, then the global norm (each slice once) and clip."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.dp_size > 1:
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        for name, p in self.named.items():
+            if p.grad is not None and (megatron_layout.tp_split(name) or self.tp_rank == 0):
+                local += p.grad.float().pow(2).sum()
+        if self.tp_size > 1:
+            dist.all_reduce(local, group=self.tp_group)
+        total = local.sqrt()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total)
+        return float(total)
+
+    # ---------------------------------------------------------------- weights
+
+    def _full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of `name` from this rank's slice (collective over the tensor-parallel group)."""
+        if self.tp_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
+        return megatron_layout.tp_merge(name, parts)
+
+    def _full_megatron(self, tensors: dict[str, torch.Tensor], *, on_device: bool) -> dict[str, torch.Tensor]:
+        """Full megatron-named copies of per-parameter `tensors` (rank 0 keeps them; others get {})."""
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            full = self._full(name, tensor.detach())
+            if self.rank == 0:
+                out[name] = full.clone() if on_device else full.to("cpu", copy=True)
+        return out
+
+    def snapshot_hf(
+        self, *, dtype: torch.dtype | None = None, on_device: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """HF-named copies of the full weights on rank 0 (None elsewhere); see FSDP2's. Collective."""
+        full = self._full_megatron(dict(self.named), on_device=on_device)
+        if self.rank != 0:
+            return None
+        hf = megatron_layout.to_hf(full, self.shape)
+        return {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in hf.items()}
+
+    def merged_hf(self, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        return self.snapshot_hf(dtype=dtype)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full megatron-named weights and AdamW moments (rank 0; {} elsewhere), scheduler and version."""
+        weights = self._full_megatron(dict(self.named), on_device=False)
+        state = self.optimizer.state
+        moments: dict[str, dict[str, Any]] = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            per_param = {n: state[p][key] for n, p in self.named.items() if p in state}
+            for name, full in self._full_megatron(per_param, on_device=False).items():
+                moments.setdefault(name, {"step": state[self.named[name]]["step"].cpu()})[key] = full
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.state_dict()["param_groups"]
+        ]
+        return {
+            "backend": "megatron",
+            "model": weights,
+            "optimizer": {"state": moments, "param_groups": groups},
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "lora": None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output at any tensor-parallel size. Collective: every rank passes it."""
+        if state.get("backend") != "megatron":
+            raise ValueError(
+                f"the checkpoint was written by trainer.backend={state.get('backend', 'fsdp2')}, this run uses "
+                "megatron; resume with the checkpoint's backend, or start a new run"
+            )
+        index = {name: i for i, name in enumerate(self.named)}
+        with torch.no_grad():
+            for name, param in self.named.items():
+                param.copy_(megatron_layout.tp_shard(name, state["model"][name], self.tp_rank, self.tp_size))
+        opt_state: dict[int, dict[str, torch.Tensor]] = {}
+        for name, saved in state["optimizer"]["state"].items():
+            opt_state[index[name]] = {
+                "step": saved["step"].clone(),
+                **{
+                    k: megatron_layout.tp_shard(name, saved[k], self.tp_rank, self.tp_size).to(self.device)
+                    for k in ("exp_avg", "exp_avg_sq")
+                },
+            }
+        groups = [dict(g, params=list(range(len(self.params)))) for g in state["optimizer"]["param_groups"]]
+        self.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])

@@ -1,0 +1,214 @@
+"""Megatron backend on CPU (gloo): megatron-core's GPT model trained by the shared loop agrees with the
+FSDP2 engine on Llama, Qwen2 and Qwen3 models, at tensor_parallel 1 and 2 and with data parallelism,
+and its checkpoints resume losslessly at another tensor-parallel size.
+
+megatron-core keeps global parallel state and needs a process group, so every Megatron engine runs in
+spawned processes; the FSDP2 reference runs in the test process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from areal_async.checkpoint import load_checkpoint, save_checkpoint
+from areal_async.config import MegatronConfig
+from areal_async.engines.batching import TrainSequence
+from areal_async.engines.fsdp import FSDPTrainEngine
+from tests.helpers.fsdp_helpers import random_batch
+from tests.integration.test_fsdp import free_port, pg_loss
+
+pytest.importorskip("megatron.core")
+
+VOCAB = 64
+STEPS = 2
+OPTIONS: dict[str, Any] = {"lr": 1e-3, "total_steps": 10, "micro_batch_tokens": 24, "grad_clip": 1.0}
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def write_model(path: Path, family: str) -> Path:
+    """Tied Llama with llama3 rope scaling; untied Qwen2 (q/k/v biases); tied Qwen3 (q/k norms)."""
+    torch.manual_seed(0)
+    if family == "llama":
+        config = LlamaConfig(**SHAPE, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=5e5)
+        model: Any = LlamaForCausalLM(config)
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=False))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=True))
+    model.save_pretrained(path)
+    return path
+
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {f: write_model(tmp_path_factory.mktemp(f), f) for f in FAMILIES}
+
+
+def make_batch() -> list[TrainSequence]:
+    return random_batch([(4, 16), (2, 3), (6, 12), (3, 2), (8, 8), (1, 4)], vocab=VOCAB, behave_base=-4.0)
+
+
+def run_engine(engine: Any, seqs: list[TrainSequence]) -> dict[str, Any]:
+    """Logprobs, STEPS train steps and the weights after them."""
+    out: dict[str, Any] = {"logprobs": engine.compute_logprobs(seqs)}
+    out["metrics"] = [engine.train_step(seqs, pg_loss) for _ in range(STEPS)]
+    out["weights"] = engine.snapshot_hf()
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str, Any]]) -> None:
+    from areal_async.engines.megatron import MegatronTrainEngine
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    try:
+        for job in jobs:
+            megatron = MegatronConfig(tensor_parallel=job["tp"])
+            # Activation checkpointing and 5-row logprob chunks must not change the numbers.
+            extra = {"gradient_checkpointing": True, "logprob_chunk_tokens": 5} if job["tp"] > 1 else {}
+            engine = MegatronTrainEngine(job["model"], megatron=megatron, **OPTIONS, **extra)
+            seqs = make_batch()
+            if engine.dp_size > 1:
+                seqs = seqs[engine.dp_rank :: engine.dp_size]
+            result: dict[str, Any] = {"dp_rank": engine.dp_rank}
+            if "resume_from" in job:  # a checkpoint of another tensor-parallel size, then one step
+                load_checkpoint(job["resume_from"], engine=engine)
+                result["resumed"] = engine.train_step(seqs, pg_loss)
+                result["version"] = engine.version
+            else:
+                result |= run_engine(engine, seqs)
+                if "checkpoint" in job:
+                    save_checkpoint(job["checkpoint"], STEPS, engine=engine, extra={})
+                    result["next"] = engine.train_step(seqs, pg_loss)
+            torch.save(result, out / f"{job['name']}-rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, out: Path, jobs: list[dict[str, Any]]) -> None:
+    mp.spawn(_rank_main, args=(world, free_port(), out, jobs), nprocs=world, join=True)
+
+
+def reference(model: Path) -> tuple[FSDPTrainEngine, dict[str, Any]]:
+    torch.set_num_threads(1)
+    engine = FSDPTrainEngine(model, **OPTIONS)
+    return engine, run_engine(engine, make_batch())
+
+
+def assert_same_run(got: dict[str, Any], want: dict[str, Any], seqs_of_rank: slice = slice(None)) -> None:
+    for g, w in zip(got["logprobs"], want["logprobs"][seqs_of_rank], strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
+    for step in range(STEPS):
+        for key in ("loss", "grad_norm", "entropy", "loss_tokens", "total_tokens", "token_share"):
+            assert got["metrics"][step][key] == pytest.approx(
+                want["metrics"][step][key], rel=1e-5, abs=1e-6
+            ), (
+                step,
+                key,
+            )
+    if got["weights"] is not None:
+        assert got["weights"].keys() == want["weights"].keys()
+        for name, tensor in want["weights"].items():
+            torch.testing.assert_close(got["weights"][name], tensor, atol=2e-5, rtol=0, msg=name)
+
+
+def test_megatron_matches_fsdp2_on_each_family_and_tensor_parallel_resumes_at_tp1(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """One process per family: logprobs, two steps' loss/grad norm and the updated HF weights equal FSDP2's
+    (float32). Two tensor-parallel ranks on Qwen2 give the same run; their checkpoint resumes in one process
+    (tensor_parallel 1) and the next step's loss is the one the TP=2 run computed."""
+    ckpt = tmp_path / "tp2-run"
+    spawn(
+        2,
+        tmp_path,
+        [{"name": "tp2", "model": models["qwen2"], "tp": 2, "checkpoint": ckpt}],
+    )
+    jobs = [{"name": f, "model": models[f], "tp": 1} for f in FAMILIES]
+    jobs.append({"name": "resume", "model": models["qwen2"], "tp": 1, "resume_from": ckpt})
+    spawn(1, tmp_path, jobs)
+
+    for family in FAMILIES:
+        _, want = reference(models[family])
+        got = torch.load(tmp_path / f"{family}-rank0.pt", weights_only=False)
+        assert_same_run(got, want)
+        if family == "qwen2":
+            assert "lm_head.weight" in got["weights"]
+        else:
+            assert "lm_head.weight" not in got["weights"]  # tied to the embedding
+
+    _, want = reference(models["qwen2"])
+    tp = [torch.load(tmp_path / f"tp2-rank{r}.pt", weights_only=False) for r in range(2)]
+    assert tp[1]["weights"] is None  # rank 0 gathers the slices
+    for r in tp:
+        assert_same_run({**r, "weights": r["weights"] if r is tp[0] else None}, want)
+    resumed = torch.load(tmp_path / "resume-rank0.pt", weights_only=False)
+    assert resumed["version"] == STEPS + 1
+    for key in ("loss", "grad_norm"):
+        assert resumed["resumed"][key] == pytest.approx(tp[0]["next"][key], rel=1e-5, abs=1e-7), key
+
+
+def test_two_data_parallel_ranks_match_one_fsdp2_process(models: dict[str, Path], tmp_path: Path) -> None:
+    """tensor_parallel 1 on 2 ranks: each trains on half the batch, gradients are summed across them,
+    and losses, grad norms, logprobs and weights equal one FSDP2 process on the whole batch."""
+    spawn(2, tmp_path, [{"name": "dp2", "model": models["llama"], "tp": 1}])
+    _, want = reference(models["llama"])
+    for rank in range(2):
+        got = torch.load(tmp_path / f"dp2-rank{rank}.pt", weights_only=False)
+        assert got["dp_rank"] == rank
+        assert_same_run(got, want, slice(rank, None, 2))
+
+
+def test_checkpoints_refuse_the_other_backend(models: dict[str, Path], tmp_path: Path) -> None:
+    engine, _ = reference(models["llama"])
+    with pytest.raises(ValueError, match="trainer.backend=megatron, this run uses fsdp2"):
+        engine.load_state_dict({"backend": "megatron"})
+
+
+def test_bf16_on_cpu_is_refused_before_anything_starts(models: dict[str, Path]) -> None:
+    from areal_async.engines.megatron import MegatronTrainEngine
+
+    with pytest.raises(
+        ValueError, match="trainer.dtype=bfloat16 with trainer.backend=megatron needs trainer.device=cuda"
+    ):
+        MegatronTrainEngine(models["llama"], dtype="bfloat16")
+    assert not dist.is_initialized()  # refused before megatron-core's process group

@@ -1,0 +1,149 @@
+"""HF <-> megatron-core weight layout: bit-exact round trips, the fused QKV / gate-up row order,
+tensor-parallel slices, and the errors for models or splits the backend cannot build."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from areal_async.config import MegatronConfig, TrainerConfig
+from areal_async.engines import megatron_layout as layout
+from areal_async.engines.megatron_layout import MegatronShape
+
+SHAPE = dict(
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def hf_model(family: str, tie: bool) -> Any:
+    torch.manual_seed(0)
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tie))
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=tie))
+    return Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=tie))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_round_trip_is_bit_exact(family: str, tie: bool) -> None:
+    model = hf_model(family, tie)
+    shape = MegatronShape.from_hf_config(model.config)
+    hf = {k: v.clone() for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    mega = layout.to_megatron(hf, shape)
+    assert ("output_layer.weight" in mega) is not tie
+    assert ("decoder.layers.1.self_attention.linear_qkv.bias" in mega) is (family == "qwen2")
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mega) is (family == "qwen3")
+    back = layout.to_hf(mega, shape)
+    assert back.keys() == hf.keys()
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_fused_rows_follow_megatron_order() -> None:
+    """linear_qkv: per K/V group, its query heads then K then V; linear_fc1: gate then up."""
+    model = hf_model("qwen2", tie=False)
+    shape = MegatronShape.from_hf_config(model.config)
+    sd = model.state_dict()
+    mega = layout.to_megatron(dict(sd), shape)
+    qkv = mega["decoder.layers.0.self_attention.linear_qkv.weight"]
+    d, per_group = shape.head_dim, shape.num_heads // shape.num_kv_heads
+    attn = "model.layers.0.self_attn."
+    rows = (per_group + 2) * d
+    for g in range(shape.num_kv_heads):
+        block = qkv[g * rows : (g + 1) * rows]
+        assert torch.equal(
+            block[: per_group * d], sd[attn + "q_proj.weight"][g * per_group * d : (g + 1) * per_group * d]
+        )
+        assert torch.equal(
+            block[per_group * d : per_group * d + d], sd[attn + "k_proj.weight"][g * d : (g + 1) * d]
+        )
+        assert torch.equal(block[per_group * d + d :], sd[attn + "v_proj.weight"][g * d : (g + 1) * d])
+    fc1 = mega["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(
+        fc1, torch.cat([sd["model.layers.0.mlp.gate_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"]])
+    )
+
+
+def test_tensor_parallel_slices_merge_back_and_split_gate_and_up_apart() -> None:
+    model = hf_model("qwen2", tie=False)
+    shape = MegatronShape.from_hf_config(model.config)
+    mega = layout.to_megatron(dict(model.state_dict()), shape)
+    for size in (2, 4):
+        for name, full in mega.items():
+            parts = [layout.tp_shard(name, full, r, size) for r in range(size)]
+            assert torch.equal(layout.tp_merge(name, parts), full), (name, size)
+            if layout.tp_split(name):
+                assert sum(p.numel() for p in parts) == full.numel(), name
+            else:
+                assert all(p is full for p in parts), name
+    fc1 = mega["decoder.layers.0.mlp.linear_fc1.weight"]
+    gate, up = fc1.chunk(2)
+    assert torch.equal(
+        layout.tp_shard("decoder.layers.0.mlp.linear_fc1.weight", fc1, 1, 2),
+        torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]),
+    )
+    proj = mega["decoder.layers.0.self_attention.linear_proj.weight"]
+    assert torch.equal(
+        layout.tp_shard("decoder.layers.0.self_attention.linear_proj.weight", proj, 0, 2),
+        proj[:, : proj.shape[1] // 2],
+    )
+
+
+def test_models_the_backend_cannot_build_are_refused_by_name() -> None:
+    config = LlamaConfig(**SHAPE)
+    config.architectures = ["MistralForCausalLM"]
+    with pytest.raises(ValueError, match=r"architectures=\['MistralForCausalLM'\].*trainer.backend=fsdp2"):
+        MegatronShape.from_hf_config(config)
+    config = Qwen2Config(**SHAPE, use_sliding_window=True)
+    config.architectures = ["Qwen2ForCausalLM"]
+    with pytest.raises(ValueError, match="use_sliding_window=True"):
+        MegatronShape.from_hf_config(config)
+    config = LlamaConfig(**SHAPE, attention_bias=True)
+    config.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        MegatronShape.from_hf_config(config)
+
+
+def test_splits_the_model_cannot_take_name_the_key() -> None:
+    config = LlamaConfig(**SHAPE)
+    config.architectures = ["LlamaForCausalLM"]
+    shape = MegatronShape.from_hf_config(config)
+    shape.check_parallel(tensor_parallel=2, pipeline_parallel=2)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel=4 does not divide the model's num_key_value_heads=2"
+    ):
+        shape.check_parallel(tensor_parallel=4, pipeline_parallel=1)
+    with pytest.raises(
+        ValueError, match=r"pipeline_parallel=3 does not divide the model's num_hidden_layers=2"
+    ):
+        shape.check_parallel(tensor_parallel=1, pipeline_parallel=3)
+
+
+def test_megatron_config_errors_name_the_key_and_the_fix() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel must be"):
+        MegatronConfig(tensor_parallel=0)
+    with pytest.raises(ValueError, match="pipeline_parallel=2 is not supported yet.*tensor_parallel"):
+        MegatronConfig(pipeline_parallel=2)
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
+        MegatronConfig(sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"tensor_parallel=2 does not divide trainer.num_ranks=3"):
+        TrainerConfig(backend="megatron", num_ranks=3, megatron=MegatronConfig(tensor_parallel=2))
+    TrainerConfig(
+        backend="fsdp2", num_ranks=3, megatron=MegatronConfig(tensor_parallel=2)
+    )  # ignored by fsdp2
