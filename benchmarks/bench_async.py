@@ -42,6 +42,8 @@ from benchmarks import harness
 from workers.report import read_jsonl
 
 REPO = harness.REPO
+AFFINITY = "generation=0;agent=0;trainer=1;trainer.io=0"
+"""Default AREAL_CPU_AFFINITY: generation (and agents) on core 0, the trainer on core 1."""
 
 METRICS: dict[str, harness.Direction] = {
     "trained_tokens_per_s": "higher",
@@ -190,7 +192,7 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.5, help="eval accuracy for time-to-target")
     p.add_argument(
         "--affinity",
-        default="generation=0;agent=0;trainer=1;trainer.io=0",
+        default=AFFINITY,
         help="AREAL_CPU_AFFINITY for every run (trainer.io: the trainer's weight writer thread)",
     )
     p.add_argument(

@@ -12,7 +12,9 @@ Contract shared by every engine (local transformers, vLLM / SGLang clients):
   `version` BEFORE decoding resumes, and continues each request from prompt + tokens so far. No request
   is lost or restarted, so a completion may mix versions (non-decreasing along the sequence).
   (`LocalEngine(kv_after_load="keep")` opts out of dropping the KV: running requests decode on over
-  the KV they have; stamps and log-probs stay those of the sampling distribution.)
+  the KV they have; stamps and log-probs stay those of the sampling distribution.
+  `kv_after_load="finish"` does not interrupt: the load waits until the running requests are done,
+  admitting none meanwhile.)
   `location` is a Hugging Face safetensors checkpoint directory or an in-memory state dict.
   Returns the seconds from the call to decoding resuming.
 - A completion ends at the first token in `stop_token_ids` (included in the result, finish_reason

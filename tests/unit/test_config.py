@@ -97,15 +97,27 @@ def test_gpu_engine_switches_need_their_prerequisites() -> None:
 
 
 def test_kv_after_load_is_checked_against_the_engine() -> None:
-    """keep is a local-engine mode; a typo or a remote engine gets an error naming the fix."""
+    """keep and finish are local-engine modes; a typo or a remote engine gets an error naming the fix."""
     assert load_config(None, []).rollout.kv_after_load == "recompute"
     assert load_config(None, ["rollout.kv_after_load=keep"]).rollout.kv_after_load == "keep"
-    with pytest.raises(ConfigError, match=r"kv_after_load.*'recompute'.*'keep'"):
+    assert load_config(None, ["rollout.kv_after_load=finish"]).rollout.kv_after_load == "finish"
+    with pytest.raises(ConfigError, match=r"kv_after_load.*'recompute'.*'keep'.*'finish'"):
         load_config(None, ["rollout.kv_after_load=kept"])
-    with pytest.raises(ConfigError, match=r"kv_after_load=keep is implemented by the local engine only"):
-        load_config(
-            None, ["rollout.engine=vllm", "rollout.server_urls=[http://h:8000]", "rollout.kv_after_load=keep"]
-        )
+    for engine in ("vllm", "sglang"):
+        for mode in ("keep", "finish"):
+            with pytest.raises(
+                ConfigError,
+                match=rf"kv_after_load={mode} is implemented by the local engine only, got engine='{engine}'; "
+                r"set rollout.kv_after_load=recompute or rollout.engine=local",
+            ):
+                load_config(
+                    None,
+                    [
+                        f"rollout.engine={engine}",
+                        "rollout.server_urls=[http://h:8000]",
+                        f"rollout.kv_after_load={mode}",
+                    ],
+                )
 
 
 @pytest.mark.parametrize("key", ["logprob_kernel", "attention_kernel"])

@@ -334,6 +334,31 @@ async def test_keep_kv_after_load_decodes_on_with_new_weights_over_the_old_kv(
 
 
 @pytest.mark.asyncio
+async def test_finish_lets_running_requests_end_on_the_old_weights_before_loading(
+    tiny_a: Path, tiny_b: Path, kv_cache: str
+) -> None:
+    """kv_after_load="finish": the 4 requests decoding at the load keep version 0 (and A's log-probs)
+    to their last token; the queued ones are admitted only after all 4 ended, wholly on version 1 (B);
+    nothing is re-prefilled."""
+    results, model_a, model_b = await run_interruption(
+        tiny_a, tiny_b, group=2, kv_cache=kv_cache, kv_after_load="finish"
+    )
+    old = [r for r in results if r.versions[0] == 0]
+    new = [r for r in results if r.versions[0] == 1]
+    assert len(old) == 4, "the first batch of 4 was decoding when the weights changed"
+    assert new, "the requests queued at the load must run on the new weights"
+    for result, length in zip(results, INTERRUPT_LENGTHS, strict=True):
+        assert len(result.token_ids) == length and result.finish_reason == "length"
+        assert len(set(result.versions)) == 1, "a completion never spans two versions"
+        assert result.stats["prefills"] == 1.0
+        model = model_a if result in old else model_b
+        assert_logprobs_match(model, SamplingParams(), result, range(length))
+    assert min(r.stats["admit_step"] for r in new) >= max(r.stats["finish_step"] for r in old), (
+        "nothing is admitted while the running requests drain"
+    )
+
+
+@pytest.mark.asyncio
 async def test_a_group_is_prefilled_once_and_sampled_independently(tiny_a: Path, kv_cache: str) -> None:
     """8 samples of one prompt: its tokens are computed once; completions differ; log-probs exact."""
     sampling = SamplingParams(max_new_tokens=12, temperature=1.0)

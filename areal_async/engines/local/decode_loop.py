@@ -101,7 +101,7 @@ class DecodeLoop:
     max_batch_size: int
     max_prefill_tokens: int
     prefill_min_rows: int
-    kv_after_load: Literal["recompute", "keep"]
+    kv_after_load: Literal["recompute", "keep", "finish"]
     _version: int
     _generator: torch.Generator
     _params: dict[str, torch.Tensor]
@@ -157,12 +157,19 @@ class DecodeLoop:
                         break
                     self._waiting.extend(self._incoming)
                     self._incoming.clear()
-                    load = self._loads.popleft() if self._loads else None
+                    # "finish": a load waits until the running requests are done on the old weights,
+                    # and no request is admitted meanwhile (no completion spans two versions).
+                    draining = (
+                        bool(self._loads)
+                        and self.kv_after_load == "finish"
+                        and any(s.alive for s in self._rows)
+                    )
+                    load = self._loads.popleft() if self._loads and not draining else None
                 if load is not None:
                     self._load_at_boundary(load)
                     continue
                 try:
-                    finished = self._step()
+                    finished = self._step(admit_new=not draining)
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     self._log.exception("decode step failed")
                     self._last_error = repr(exc)
@@ -189,14 +196,15 @@ class DecodeLoop:
         load.pause_s = time.perf_counter() - started
         self._signal([load.done])
 
-    def _step(self) -> list[_Sequence]:
-        """One scheduling step: retire, admit (prefill), decode. Returns sequences that finished."""
+    def _step(self, admit_new: bool = True) -> list[_Sequence]:
+        """One scheduling step: retire, admit (prefill) unless `admit_new` is off, decode. Returns
+        sequences that finished."""
         # Rows that finished last step were reported then; they leave the KV when it compacts.
         finished: list[_Sequence] = []
         keep = [i for i, s in enumerate(self._rows) if s.alive]
         joiners = self._joiners
         free = self.max_batch_size - len(keep)
-        admit = not keep or free >= min(self.prefill_min_rows, len(self._waiting))
+        admit = admit_new and (not keep or free >= min(self.prefill_min_rows, len(self._waiting)))
         while admit and self._waiting and len(keep) + len(joiners) < self.max_batch_size:
             sequence = self._waiting.popleft()
             if sequence.alive:

@@ -44,6 +44,9 @@ Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
   that were current when each token was read) and goes on decoding with the new weights: no
   re-prefill. Either way each token carries the version that sampled it and its exact log-prob under
   the distribution it was drawn from, which is what the decoupled loss's behaviour policy needs.
+  `kv_after_load="finish"` does not interrupt: once a load is queued no request is admitted, the
+  running ones decode to their end on the old weights, then the load is applied and admission
+  resumes, so every completion has one version (`load_weights` returns after that drain).
 - LoRA: `load_weights` of an adapter directory (areal_async/lora.py) merges `W + scale * B @ A`
   into each targeted weight (one `addmm` each, in the weight's dtype) from a copy of the weight
   taken before the first adapter (adapters are relative to the base model; loading full weights
@@ -117,10 +120,10 @@ class LocalEngine(DecodeLoop, InferenceEngine):
         cuda_graphs: bool = False,
         compile: bool = False,
         prefill_min_rows: int | None = None,
-        kv_after_load: Literal["recompute", "keep"] = "recompute",
+        kv_after_load: Literal["recompute", "keep", "finish"] = "recompute",
     ) -> None:
-        if kv_after_load not in ("recompute", "keep"):
-            raise ValueError(f"kv_after_load must be 'recompute' or 'keep', got {kv_after_load!r}")
+        if kv_after_load not in ("recompute", "keep", "finish"):
+            raise ValueError(f"kv_after_load must be 'recompute', 'keep' or 'finish', got {kv_after_load!r}")
         if kv_cache not in ("dynamic", "slots"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'slots', got {kv_cache!r}")
         if cuda_graphs and (kv_cache != "slots" or torch.device(device).type != "cuda"):
@@ -160,7 +163,8 @@ class LocalEngine(DecodeLoop, InferenceEngine):
         """A prefill waits until this many slots are free (or every waiting request fits, or no row is
         decoding): one prefill forward per freed slot would cost more than the slots it refills."""
         self.kv_after_load = kv_after_load
-        """What running requests do at a weight load: re-prefill ("recompute") or keep their KV."""
+        """What running requests do at a weight load: re-prefill ("recompute"), keep their KV
+        ("keep"), or finish on the old weights before the load ("finish")."""
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
         self._params = self._parameter_names()
