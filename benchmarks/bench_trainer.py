@@ -1,6 +1,6 @@
-"""Benchmark the FSDP training engine: step time, tokens/s and MFU on synthetic RL batches.
+"""Benchmark the training engines (FSDP2, megatron-core): step time, tokens/s and MFU on synthetic RL batches.
 
-Each configuration builds an `FSDPTrainEngine`, makes a batch of `--seqs` sequences
+Each configuration builds a training engine (`--backend`), makes a batch of `--seqs` sequences
 (prompt `--prompt-len`, completion lengths drawn uniformly from
 `[(1 - jitter) * completion_len, completion_len]`), runs `--warmup` untimed steps, then
 `--steps` timed ones. A step is what the trainer does per batch: one no-grad forward for
