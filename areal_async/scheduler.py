@@ -14,7 +14,9 @@ and is not re-issued, the feed moves on to new prompts.
 When the trainer restarts from an older checkpoint, its next ``trainer.step`` repeats a
 step number that was already counted: the steps from there on are rolled back
 (``trained`` drops by their groups). Those groups were never acknowledged by the trainer,
-so JetStream redelivers them and the trainer's guard trains or recycles them.
+so JetStream redelivers them and the trainer's guard trains or recycles them. A recycled one
+(``rollout.failed`` from a trainer behind the step that trained it) leaves that step and is
+re-issued like any failure.
 
 ``inflight`` maps every issued training task that is neither trained nor failed to its
 ``[epoch, index, attempt]``: the controller acts on a ``rollout.failed`` or ``trainer.step``
@@ -108,18 +110,31 @@ class SchedulerState:
 
     # ---- events ----------------------------------------------------------------------
 
-    def check_failed(self, task_id: str, epoch: int, index: int, attempt: int) -> str:
-        """'' when a failure names a task in flight with its epoch, index and attempt; else why not."""
+    def check_failed(
+        self, task_id: str, epoch: int, index: int, attempt: int, trainer_version: int = -1
+    ) -> str:
+        """'' when a failure names a task in flight with its epoch, index and attempt, or a task of a step
+        the failing trainer (at ``trainer_version``) no longer has; else why not."""
         if self.inflight is None:
             return ""
         entry = self.inflight.get(task_id)
         if entry is None:
+            lost = self.lost_step(task_id, trainer_version) is not None
+            if lost and task_position(task_id) == (epoch, index):
+                return ""
             return f"task {task_id!r} is not in flight (never issued, already trained or failed)"
         if [epoch, index] != entry[:2]:
             return f"task {task_id!r} was issued for epoch {entry[0]} index {entry[1]}, not {epoch}/{index}"
         if entry[2] not in (ANY_ATTEMPT, attempt):
             return f"task {task_id!r} is in flight as attempt {entry[2]}, not {attempt}"
         return ""
+
+    def lost_step(self, task_id: str, trainer_version: int) -> int | None:
+        """The step that trained ``task_id`` if a trainer at ``trainer_version`` is behind it (restored
+        from an older checkpoint: the step is lost and its groups come back); else None."""
+        if trainer_version < 0:
+            return None
+        return next((s for s, ids in self.step_tasks.items() if s > trainer_version and task_id in ids), None)
 
     def check_trained(self, step: int, task_ids: list[str]) -> str:
         """'' when every task of a step is in flight (or rolled back by this step); else why not."""
@@ -133,9 +148,19 @@ class SchedulerState:
             return f"{len(unknown)} task(s) not in flight, e.g. {unknown[0]!r}"
         return ""
 
-    def on_failed(self, task_id: str, epoch: int, index: int, attempt: int, reason: str) -> bool:
-        """A task produced nothing trainable. Returns True if it will be re-issued."""
-        if attempt < self.attempts.get(task_id, 0):
+    def on_failed(
+        self, task_id: str, epoch: int, index: int, attempt: int, reason: str, trainer_version: int = -1
+    ) -> bool:
+        """A task produced nothing trainable. Returns True if it will be re-issued.
+
+        A restored trainer fails groups of the steps it lost (``stale``/``future`` at its older
+        version): such a task leaves the lost step and ``trained`` before it is failed as usual.
+        """
+        lost = self.lost_step(task_id, trainer_version)
+        if lost is not None and (self.inflight is None or task_id not in self.inflight):
+            self.step_tasks[lost].remove(task_id)
+            self.trained = max(0, self.trained - 1)
+        elif attempt < self.attempts.get(task_id, 0):
             return False  # an older attempt's failure, already handled
         if self.inflight is not None:
             self.inflight.pop(task_id, None)

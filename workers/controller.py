@@ -297,15 +297,25 @@ class Controller:
         if not isinstance(ev, RolloutFailed):
             raise Rejected(f"expected a RolloutFailed, got {type(ev).__name__}")
         if ev.kind == "train":
-            problem = self.state.check_failed(ev.task_id, ev.epoch, ev.index, ev.attempt)
+            # A trainer's failure may recycle a group of a step it lost; a duplicate never does.
+            trainer_version = ev.trainer_version if ev.reason != "duplicate" else -1
+            problem = self.state.check_failed(ev.task_id, ev.epoch, ev.index, ev.attempt, trainer_version)
             if problem and ev.reason == "duplicate":  # a redelivery of a group already counted
                 await delivery.ack()
                 return
             if problem:
                 raise Rejected(problem)
-            again = self.state.on_failed(ev.task_id, ev.epoch, ev.index, ev.attempt, ev.reason)
+            lost = self.state.lost_step(ev.task_id, trainer_version)
+            again = self.state.on_failed(
+                ev.task_id, ev.epoch, ev.index, ev.attempt, ev.reason, trainer_version
+            )
             log.info(
-                "task failed", task_id=ev.task_id, reason=ev.reason, reissue=again, detail=ev.detail[:200]
+                "task failed",
+                task_id=ev.task_id,
+                reason=ev.reason,
+                reissue=again,
+                lost_step=lost,
+                detail=ev.detail[:200],
             )
             await self.save()
         else:  # an evaluation task that produced nothing (its workflow failed) counts as wrong

@@ -7,7 +7,7 @@ Replicas share the ``generation`` durable pull consumer, so N workers split the 
 a worker takes a task only when it has room for its completions (backpressure). For a
 training task it samples ``rollout.group_size`` completions with the run's sampling
 parameters; for an eval task one greedy completion. Every completion token carries the
-policy version that produced it; the group's ``head_version`` is the oldest first token.
+policy version that produced it; the group's ``head_version`` is the oldest token version.
 
 ``weights.load`` interrupts decoding at the next step, swaps the weights, and resumes
 every request from prompt + tokens so far (the engine's contract); the worker then
@@ -37,7 +37,7 @@ import anyio
 import structlog
 
 from areal_async.data import render_prompt
-from areal_async.engines.base import GenerationRequest, InferenceEngine, SamplingParams
+from areal_async.engines.base import GenerationRequest, GenerationResult, InferenceEngine, SamplingParams
 from areal_async.errors import ConfigError
 from bus.events import (
     Completion,
@@ -362,36 +362,49 @@ class Generator:
         results = await self.engine.generate(requests)
         seconds = time.monotonic() - started
         texts = self.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
-        completions = [
-            Completion(
-                token_ids=pack_i32(r.token_ids),
-                logprobs=pack_f32(r.logprobs),
-                versions=pack_i32(r.versions),
-                finish_reason=r.finish_reason,
-                text=text,
-            )
-            for r, text in zip(results, texts, strict=True)
-        ]
-        tokens = sum(len(r.token_ids) for r in results)
-        self.tokens_out += tokens
-        return RolloutGroup(
-            task_id=task.task_id,
-            kind=task.kind,
-            index=task.index,
-            epoch=task.epoch,
-            attempt=task.attempt,
-            row=task.row,
-            engine_id=self.ctx.worker_id,
-            prompt_ids=pack_i32(list(prompt_ids)),
-            completions=completions,
-            head_version=min(r.versions[0] for r in results),
-            tail_version=max(r.versions[-1] for r in results),
-            timings={
-                "generate_s": seconds,
-                "queue_s": max(0.0, time.time() - task.issued_at - seconds),
-                "tokens": float(tokens),
-            },
+        self.tokens_out += sum(len(r.token_ids) for r in results)
+        return rollout_group(task, self.ctx.worker_id, prompt_ids, results, texts, seconds)
+
+
+def rollout_group(
+    task: PromptTask,
+    engine_id: str,
+    prompt_ids: list[int],
+    results: list[GenerationResult],
+    texts: list[str],
+    seconds: float,
+) -> RolloutGroup:
+    """The group of ``task``'s completions; its head is the oldest version of any token, its tail the
+    newest (versions may fall within a completion when a restored trainer republished an older one)."""
+    completions = [
+        Completion(
+            token_ids=pack_i32(r.token_ids),
+            logprobs=pack_f32(r.logprobs),
+            versions=pack_i32(r.versions),
+            finish_reason=r.finish_reason,
+            text=text,
         )
+        for r, text in zip(results, texts, strict=True)
+    ]
+    tokens = sum(len(r.token_ids) for r in results)
+    return RolloutGroup(
+        task_id=task.task_id,
+        kind=task.kind,
+        index=task.index,
+        epoch=task.epoch,
+        attempt=task.attempt,
+        row=task.row,
+        engine_id=engine_id,
+        prompt_ids=pack_i32(list(prompt_ids)),
+        completions=completions,
+        head_version=min(r.head_version for r in results),
+        tail_version=max(r.tail_version for r in results),
+        timings={
+            "generate_s": seconds,
+            "queue_s": max(0.0, time.time() - task.issued_at - seconds),
+            "tokens": float(tokens),
+        },
+    )
 
 
 async def _keep_alive(delivery: Any) -> None:

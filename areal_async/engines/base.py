@@ -10,7 +10,8 @@ Contract shared by every engine (local transformers, vLLM / SGLang clients):
 - `load_weights(version, location)` may be called while requests are decoding. The engine pauses at the
   next decode-step boundary, loads the weights, drops every KV cache built with the old weights, sets
   `version` BEFORE decoding resumes, and continues each request from prompt + tokens so far. No request
-  is lost or restarted, so a completion may mix versions (non-decreasing along the sequence).
+  is lost or restarted, so a completion may mix versions. They usually rise along the sequence, but a
+  trainer restored from a checkpoint republishes an older version, so they may also fall.
   (`LocalEngine(kv_after_load="keep")` opts out of dropping the KV: running requests decode on over
   the KV they have; stamps and log-probs stay those of the sampling distribution.
   `kv_after_load="finish"` does not interrupt: the load waits until the running requests are done,
@@ -133,11 +134,13 @@ class GenerationResult:
 
     @property
     def head_version(self) -> int:
-        return self.versions[0]
+        """The oldest version among the tokens (what staleness is measured from)."""
+        return min(self.versions)
 
     @property
     def tail_version(self) -> int:
-        return self.versions[-1]
+        """The newest version among the tokens."""
+        return max(self.versions)
 
 
 class InferenceEngine(abc.ABC):

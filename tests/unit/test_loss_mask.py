@@ -211,3 +211,25 @@ def test_the_trainer_passes_masks_through_and_refuses_groups_that_train_nothing(
     assert to_sample(mixed).loss_masks == [[1, 0, 1], [1, 1]]
     with pytest.raises(Unfit, match="no completion has a token to train"):
         check_content(scored(completion(0), completion(0)))
+
+
+def test_a_completion_whose_versions_fall_is_stamped_with_its_oldest_token() -> None:
+    """A trainer restored from a checkpoint republishes an older version, so an engine mid-request goes
+    3 -> 2: the group's head is 2 (not the first token's 3), its tail 3, and the trainer accepts it."""
+    from areal_async.engines.base import GenerationResult
+    from workers.generation import rollout_group
+
+    task: ev.PromptTask = make_sample_events()["PromptTask"]  # type: ignore[assignment]
+
+    def result(versions: list[int]) -> GenerationResult:
+        n = len(versions)
+        return GenerationResult(
+            request_id="r", prompt_ids=(1,), token_ids=[5] * n, logprobs=[-1.0] * n,
+            versions=versions, finish_reason="stop",
+        )  # fmt: skip
+
+    falling, steady = result([3, 3, 2, 2]), result([3, 3])
+    assert (falling.head_version, falling.tail_version) == (2, 3)
+    group = rollout_group(task, "gen-0", [1], [steady, falling], ["a", "b"], 0.1)
+    assert (group.head_version, group.tail_version) == (2, 3)
+    check_content(ev.ScoredGroup(group=group, rewards=[1.0, 0.0], reward_errors=["", ""], reward_seconds=0.0))

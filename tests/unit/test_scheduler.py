@@ -138,3 +138,29 @@ def test_state_saved_without_in_flight_records_is_not_checked() -> None:
     assert restored.inflight is None and restored.check_failed("anything", 0, 5, 9) == ""
     again = SchedulerState.from_dict(state.to_dict(), max_staleness=1, batch_size=2, max_inflight=100)
     assert again.inflight == {"e0-i1": [0, 1, 0]}
+
+
+def test_a_restored_trainer_recycles_a_group_of_a_lost_step_before_repeating_that_step() -> None:
+    """Trainer restored at version 1 after committing steps 2 and 3: it fails a redelivered group of
+    step 3 as ``future`` before it repeats any step. The task leaves step 3 and ``trained``, is re-issued
+    with the next attempt, and the repeated step 2 later rolls back the rest without counting it twice.
+    The same failure from a trainer that still has step 3, or without a trainer version, is refused."""
+    state = _state(max_staleness=4, batch_size=2)
+    ids = _issue_all(state)
+    state.on_trained(1, ids[0:2])
+    state.on_trained(2, ids[2:4])
+    state.on_trained(3, ids[4:6])
+    issued, lost = state.issued, ids[5]
+    index = int(lost.split("-i")[1])
+    assert "not in flight" in state.check_failed(lost, 0, index, 0, trainer_version=3)
+    assert "not in flight" in state.check_failed(lost, 0, index, 0)
+    assert "not in flight" in state.check_failed(lost, 0, index + 1, 0, trainer_version=1), "wrong row"
+    assert state.check_failed(lost, 0, index, 0, trainer_version=1) == ""
+    assert state.on_failed(lost, 0, index, 0, "future", trainer_version=1)
+    assert (state.trained, state.issued, state.step_tasks[3]) == (5, issued - 1, [ids[4]])
+    retry = state.take_retry()
+    assert retry is not None and (retry.task_id, retry.attempt) == (lost, 1)
+    state.on_trained(2, [ids[2], ids[4]])  # the restored trainer repeats step 2
+    assert state.trained == 4 and state.step_tasks == {1: ids[0:2], 2: [ids[2], ids[4]]}
+    assert state.inflight is not None and state.inflight[lost] == [0, index, 1]
+    assert state.issued - state.trained == len(state.inflight)
