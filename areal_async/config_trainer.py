@@ -129,7 +129,8 @@ class MegatronConfig:
     and trainer.num_ranks: tensor-parallel ranks stay within a node)."""
 
     pipeline_parallel: int = 1
-    """Pipeline stages (must divide the layers). Only 1 is supported yet."""
+    """Pipeline stages (must divide the layers); the product with tensor_parallel must divide the
+    trainer's ranks. Stages pass hidden states point to point (engines/megatron_pipeline.py)."""
 
     context_parallel: int = 1
     """Ranks each sequence is split over. Only 1 is supported yet."""
@@ -145,7 +146,6 @@ class MegatronConfig:
                 "trainer.megatron.sequence_parallel needs tensor_parallel > 1; set sequence_parallel: false"
             )
         unsupported = {
-            f"pipeline_parallel={self.pipeline_parallel}": self.pipeline_parallel > 1,
             f"context_parallel={self.context_parallel}": self.context_parallel > 1,
             "sequence_parallel=true": self.sequence_parallel,
         }
@@ -153,8 +153,8 @@ class MegatronConfig:
         if bad:
             raise ValueError(
                 f"trainer.megatron: {', '.join(bad)} is not supported yet (the backend does not drive "
-                "megatron's pipeline schedules or Transformer Engine's sequence/context-parallel layers); "
-                "use tensor_parallel with data parallelism (trainer.num_ranks), or trainer.backend: fsdp2"
+                "Transformer Engine's sequence/context-parallel layers); use tensor_parallel and "
+                "pipeline_parallel with data parallelism (trainer.num_ranks), or trainer.backend: fsdp2"
             )
 
 

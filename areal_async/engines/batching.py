@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -248,6 +249,10 @@ class ModelInputs:
     """int32 `[b + 1]`: 0, then the end of each sequence in the packed row (None: padded rows)."""
     max_length: int = 0
     """Longest sequence (packed rows)."""
+
+    def model_args(self) -> tuple[Any, ...]:
+        """The model contract's positional arguments (engines/train_loop.py), before `with_entropy`."""
+        return (self.input_ids, self.position_ids, self.hidden_index, self.cu_seqlens, self.max_length)
 
     def to(self, device: torch.device) -> ModelInputs:
         return ModelInputs(

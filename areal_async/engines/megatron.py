@@ -1,5 +1,6 @@
 """Training engine on megatron-core (`trainer.backend: megatron`): the HF model rebuilt as
-megatron-core's GPT model with tensor parallelism, trained by the same loop and loss as FSDP2.
+megatron-core's GPT model with tensor and pipeline parallelism, trained by the same loop and loss
+as FSDP2.
 
 Model. `megatron_layout.MegatronShape` reads the HF config (Llama, Qwen2, Qwen3 families) into a
 `TransformerConfig`; the layers are megatron-core's pure-PyTorch spec (`get_gpt_layer_local_spec`;
@@ -8,14 +9,15 @@ so micro-batches are always packed rows (THD) and no compute is spent on padding
 The HF weights load through `megatron_layout` (name and layout mapping, tensor-parallel shards).
 
 Process model. megatron-core's `parallel_state` splits the trainer's ranks into tensor-parallel
-groups of `tensor_parallel` ranks and data-parallel groups across them. Ranks of a
-tensor-parallel group get the same shard of the batch (`dp_rank`); the learner scatters over
-`dp_size`. Under torchrun the process group is the trainer's (gloo on CPU, NCCL on CUDA);
+groups of `tensor_parallel` ranks, pipelines of `pipeline_parallel` stages
+(`engines/megatron_pipeline.py`: stages, schedule, stage-local names) and data-parallel groups
+across them. Ranks of a tensor-parallel group or a pipeline get the same shard of the batch
+(`dp_rank`); the learner scatters over `dp_size`. Under torchrun the process group is the trainer's (gloo on CPU, NCCL on CUDA);
 without torchrun the engine creates a one-rank group, because megatron-core needs one.
 Gradients are summed over the data-parallel group, then clipped by the norm over all shards
-(each tensor-parallel slice counted once). `MegatronConfig` (`trainer.megatron`) refuses
-pipeline, context and sequence parallelism: they need megatron's pipeline schedules or
-Transformer Engine, which this backend does not drive yet.
+(each tensor-parallel slice and pipeline stage counted once). `MegatronConfig` (`trainer.megatron`)
+refuses context and sequence parallelism: they need Transformer Engine's layers, which this
+backend does not drive.
 
 Numerics as FSDP2's: float32 master weights and optimizer state, bf16 autocast with `dtype` bfloat16
 or auto, on CUDA; on CPU the backend trains in float32 (`auto` resolves to it), because megatron-core's
@@ -23,9 +25,9 @@ linear layers re-enter autocast in backward on CUDA only.
 
 Same contracts as the FSDP2 engine: the training loop, loss and metrics (`engines/train_loop.py`);
 `snapshot_hf` / `save_hf` / `write_hf` give HF-named full weights on rank 0 (tensor-parallel
-slices gathered once per version); `state_dict` holds full (unsharded) megatron-named weights
-and AdamW moments, so a checkpoint resumes at any tensor-parallel size, and refuses to load
-into the FSDP2 backend (and the reverse).
+slices and pipeline stages gathered once per version); `state_dict` holds full (unsharded)
+megatron-named weights and AdamW moments, so a checkpoint resumes at any tensor-parallel or
+pipeline size, and refuses to load into the FSDP2 backend (and the reverse).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_async.config_trainer import MegatronConfig
-from areal_async.engines import logprobs, megatron_layout, varlen
+from areal_async.engines import logprobs, megatron_layout, megatron_pipeline, varlen
 from areal_async.engines.fsdp_weights import HFWriter
 from areal_async.engines.megatron_layout import MegatronShape
 from areal_async.engines.megatron_model import (
@@ -51,6 +53,7 @@ from areal_async.engines.megatron_model import (
     hf_rotary_embedding,
     vocab_parallel_logprobs,
 )
+from areal_async.engines.megatron_pipeline import StageNames, Stages, gather_to_first
 from areal_async.engines.train_loop import TrainLoop, init_distributed, make_optimizer, resolve_train_dtype
 
 log = structlog.get_logger(__name__)
@@ -101,19 +104,25 @@ def _recompute_in_backward(layer: nn.Module) -> None:
     layer.forward = run  # type: ignore[method-assign]
 
 
-def _init_parallel(tensor_parallel: int, world_size: int) -> None:
+def _init_parallel(tensor_parallel: int, pipeline_parallel: int, world_size: int) -> None:
     from megatron.core import parallel_state
 
-    if world_size % tensor_parallel:
+    if world_size % (tensor_parallel * pipeline_parallel):
         raise ValueError(
-            f"trainer.megatron.tensor_parallel={tensor_parallel} does not divide the trainer's "
-            f"{world_size} ranks (trainer.num_ranks x nodes); choose sizes whose product divides it"
+            f"trainer.megatron.tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} "
+            f"does not divide the trainer's {world_size} ranks (trainer.num_ranks x nodes); choose sizes "
+            "whose product divides it"
         )
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
-            raise ValueError("megatron-core's parallel state was set up with another tensor_parallel")
+        if (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        ) != (tensor_parallel, pipeline_parallel):
+            raise ValueError("megatron-core's parallel state was set up with other parallel sizes")
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
 
 
 class MegatronTrainEngine(TrainLoop, HFWriter):
@@ -175,7 +184,9 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
 
         self.distributed = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        _init_parallel(tensor_parallel, self.world_size)
+        _init_parallel(tensor_parallel, parallel.pipeline_parallel, self.world_size)
+        self.stages = Stages.current()
+        self.names = StageNames(self.stages, self.shape.num_layers, tied=self.shape.tied)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = tensor_parallel
@@ -243,6 +254,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             architecture=self.shape.architecture,
             params=sum(p.numel() for p in self.params),
             tensor_parallel=self.tp_size,
+            pipeline_parallel=self.stages.size,
             data_parallel=self.dp_size,
             device=str(self.device),
             autocast=str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else None,
@@ -281,6 +293,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             use_cpu_initialization=self.device.type != "cuda",
             perform_initialization=False,  # the HF weights are loaded next
             tensor_model_parallel_size=self.tp_size,
+            pipeline_model_parallel_size=self.stages.size,
             params_dtype=torch.float32,
             pipeline_dtype=torch.float32,
         )
@@ -291,9 +304,10 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             transformer_layer_spec=spec,
             vocab_size=s.vocab_size,
             max_sequence_length=int(getattr(self.config, "max_position_embeddings", 4096)),
-            pre_process=True,
-            post_process=True,
-            share_embeddings_and_output_weights=s.tied,
+            pre_process=self.stages.first,
+            post_process=self.stages.last,
+            # Over pipeline stages a tied embedding is kept as two equal copies (megatron_pipeline).
+            share_embeddings_and_output_weights=s.tied and self.stages.size == 1,
             position_embedding_type="none",  # PackedCoreAttention applies the HF rotary embedding
         )
 
@@ -309,7 +323,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         if self.shape.tied:
             hf.pop("lm_head.weight", None)
         full = megatron_layout.to_megatron(hf, self.shape)
-        params = dict(gpt.named_parameters())
+        params = {self.names.whole(n): p for n, p in gpt.named_parameters()}
         missing = sorted(set(params) - set(full))
         if missing:
             raise ValueError(f"{self.model_path} lacks weights for {missing[:4]} (megatron-core names)")
@@ -319,10 +333,45 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
                 param.copy_(part.to(param.dtype))
         gpt.to(self.device)
 
+    # ------------------------------------------------------------- pipeline
+
+    def _update_passes(self, seqs: Any, bins: Any, prox: Any, loss_fn: Any, denominator: Any) -> Any:
+        if self.stages.size == 1:
+            return super()._update_passes(seqs, bins, prox, loss_fn, denominator)
+        return megatron_pipeline.update_passes(self, seqs, bins, prox, loss_fn, denominator)
+
+    def _logprob_pass(self, seqs: Any, bins: Any) -> Any:
+        if self.stages.size == 1:
+            return super()._logprob_pass(seqs, bins)
+        return megatron_pipeline.logprob_passes(self, seqs, bins)
+
+    def _sum_over_ranks(self, values: torch.Tensor) -> None:
+        """Over pipeline stages only the last one's sums count (the others compute no loss)."""
+        if self.stages.size > 1 and not self.stages.last:
+            values.zero_()
+        super()._sum_over_ranks(values)
+        if self.stages.size > 1:
+            dist.all_reduce(values, group=self.stages.group)
+
+    def _sum_tied_embedding_grads(self) -> None:
+        """A tied embedding over pipeline stages: the first stage's embedding and the last stage's copy
+        get the sum of both gradients (megatron's embedding group), so they stay equal."""
+        if not (self.shape.tied and self.stages.size > 1 and (self.stages.first or self.stages.last)):
+            return
+        from megatron.core import parallel_state
+
+        name = megatron_pipeline.EMBEDDING if self.stages.first else megatron_pipeline.OUTPUT
+        param = self.named[name]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, group=parallel_state.get_embedding_group())
+
     # ------------------------------------------------------------ gradients
 
     def _clip_gradients(self) -> float:
-        """Sum gradients over data-parallel ranks, then the global norm (each slice once) and clip."""
+        """Sum gradients over data-parallel ranks (and a tied embedding's two copies over pipeline
+        stages), then the global norm (each slice once) and clip."""
+        self._sum_tied_embedding_grads()
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return 0.0
@@ -333,10 +382,14 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
                 g.copy_(part.view_as(g))
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         for name, p in self.named.items():
-            if p.grad is not None and (megatron_layout.tp_split(name) or self.tp_rank == 0):
+            whole = self.names.whole(name)
+            counted = self.names.exported(name) and (megatron_layout.tp_split(whole) or self.tp_rank == 0)
+            if p.grad is not None and counted:
                 local += p.grad.float().pow(2).sum()
         if self.tp_size > 1:
             dist.all_reduce(local, group=self.tp_group)
+        if self.stages.size > 1:
+            dist.all_reduce(local, group=self.stages.group)
         total = local.sqrt()
         if self.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total)
@@ -353,13 +406,21 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         return megatron_layout.tp_merge(name, parts)
 
     def _full_megatron(self, tensors: dict[str, torch.Tensor], *, on_device: bool) -> dict[str, torch.Tensor]:
-        """Full megatron-named copies of per-parameter `tensors` (rank 0 keeps them; others get {})."""
-        out: dict[str, torch.Tensor] = {}
+        """Whole copies of per-parameter `tensors` (keyed by this stage's names) under the whole model's
+        names, every stage's, on rank 0; others get {}. Collective."""
+        leader = self.tp_rank == 0 and self.dp_rank == 0  # a stage of rank 0's pipeline
+        mine: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
-            full = self._full(name, tensor.detach())
-            if self.rank == 0:
-                out[name] = full.clone() if on_device else full.to("cpu", copy=True)
-        return out
+            if not self.names.exported(name):
+                continue
+            whole = self.names.whole(name)
+            full = self._full(whole, tensor.detach())
+            if leader:
+                mine[whole] = full
+        if not leader:
+            return {}
+        out = gather_to_first(self.stages, mine, self.device)
+        return {k: v.clone() if on_device else v.to("cpu", copy=True) for k, v in out.items()}
 
     def snapshot_hf(
         self, *, dtype: torch.dtype | None = None, on_device: bool = False
@@ -378,11 +439,12 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         """Full megatron-named weights and AdamW moments (rank 0; {} elsewhere), scheduler and version."""
         weights = self._full_megatron(dict(self.named), on_device=False)
         state = self.optimizer.state
+        steps = [s["step"] for s in state.values() if "step" in s]  # one count: every parameter steps
         moments: dict[str, dict[str, Any]] = {}
         for key in ("exp_avg", "exp_avg_sq"):
             per_param = {n: state[p][key] for n, p in self.named.items() if p in state}
             for name, full in self._full_megatron(per_param, on_device=False).items():
-                moments.setdefault(name, {"step": state[self.named[name]]["step"].cpu()})[key] = full
+                moments.setdefault(name, {"step": steps[0].cpu()})[key] = full
         groups = [
             {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.state_dict()["param_groups"]
         ]
@@ -402,16 +464,23 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
                 f"the checkpoint was written by trainer.backend={state.get('backend', 'fsdp2')}, this run uses "
                 "megatron; resume with the checkpoint's backend, or start a new run"
             )
-        index = {name: i for i, name in enumerate(self.named)}
+        whole = {name: self.names.whole(name) for name in self.named}
         with torch.no_grad():
             for name, param in self.named.items():
-                param.copy_(megatron_layout.tp_shard(name, state["model"][name], self.tp_rank, self.tp_size))
+                full = state["model"][whole[name]]
+                param.copy_(megatron_layout.tp_shard(whole[name], full, self.tp_rank, self.tp_size))
         opt_state: dict[int, dict[str, torch.Tensor]] = {}
-        for name, saved in state["optimizer"]["state"].items():
-            opt_state[index[name]] = {
+        saved_moments = state["optimizer"]["state"]
+        for i, name in enumerate(self.named):
+            saved = saved_moments.get(whole[name])
+            if saved is None:
+                continue  # a parameter that had not stepped yet
+            opt_state[i] = {
                 "step": saved["step"].clone(),
                 **{
-                    k: megatron_layout.tp_shard(name, saved[k], self.tp_rank, self.tp_size).to(self.device)
+                    k: megatron_layout.tp_shard(whole[name], saved[k], self.tp_rank, self.tp_size).to(
+                        self.device
+                    )
                     for k in ("exp_avg", "exp_avg_sq")
                 },
             }

@@ -12,7 +12,8 @@ in 16 bits (`engines/varlen.py`), SDPA per sequence elsewhere. Megatron-core's o
 
 `MegatronLogprobModel` follows the training loop's model contract (`engines/train_loop.py`):
 embedding -> decoder (with the final norm) -> hidden states of the selected rows -> logprob and
-entropy of their targets, `chunk_tokens` rows at a time. With one tensor-parallel rank the head
+entropy of their targets, `chunk_tokens` rows at a time. With pipeline stages, `stage_forward` runs
+one stage's part (`engines/megatron_pipeline.py` passes the hidden states between stages). With one tensor-parallel rank the head
 runs the trainer's logprob kernels (`engines/logprobs.py`); with several, each rank holds a slice
 of the vocabulary and `vocab_parallel_logprobs` combines the slices.
 """
@@ -169,13 +170,37 @@ class MegatronLogprobModel(nn.Module):
         max_length: int = 0,
         with_entropy: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.stage_forward(input_ids, position_ids, hidden_index, cu_seqlens, max_length, with_entropy)
+        assert isinstance(out, tuple), "a model without pipeline stages returns logprobs"
+        return out
+
+    def stage_forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        hidden_index: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        max_length: int,
+        with_entropy: bool,
+        stage_input: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """This pipeline stage's part: the first stage embeds `input_ids`, a later one starts from
+        `stage_input` (the previous stage's output `[t, 1, h]`); the last stage returns logprobs and
+        entropy, the others their hidden states."""
         if cu_seqlens is None or input_ids.shape[0] != 1:
             raise ValueError(
                 "the Megatron backend trains packed rows only (batching.model_inputs(packed=True))"
             )
-        embedded = self.gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [t, 1, h]
+        gpt = self.gpt
+        if gpt.pre_process:
+            hidden = gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [t, 1, h]
+        elif stage_input is None:
+            raise ValueError("a pipeline stage after the first needs the previous stage's output")
+        else:
+            hidden = stage_input
+            gpt.decoder.set_input_tensor(stage_input)
         with torch.autocast(input_ids.device.type, enabled=False):
-            cos, sin = self.rotary(embedded.float().transpose(0, 1), position_ids)
+            cos, sin = self.rotary(hidden.float().transpose(0, 1), position_ids)
         params = RotaryPackedParams(
             qkv_format="thd",
             cu_seqlens_q=cu_seqlens,
@@ -186,7 +211,9 @@ class MegatronLogprobModel(nn.Module):
             sin=sin[0],
             kernel=self.attention_kernel,
         )
-        hidden = self.gpt.decoder(hidden_states=embedded, attention_mask=None, packed_seq_params=params)
+        hidden = gpt.decoder(hidden_states=hidden, attention_mask=None, packed_seq_params=params)
+        if not gpt.post_process:
+            return hidden
         return logprobs.of_selected(
             self.logprob_fn,
             hidden.squeeze(1),

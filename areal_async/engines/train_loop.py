@@ -62,6 +62,10 @@ log = structlog.get_logger(__name__)
 
 LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, float | torch.Tensor]]]
 """`loss_fn(mb) -> (loss, stats)`; see the loss contract in the module docstring."""
+Prox = tuple[dict[str, torch.Tensor], ModelInputs, torch.Tensor] | None
+"""One bin of `_logprob_pass`: its loss batch, model inputs and `[b, T]` logprobs (None: empty pass)."""
+UpdateSums = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+"""Summed loss, summed entropy of trained tokens, and loss_fn's stats (summed; `_max` keys maximal)."""
 
 
 def init_distributed(device: str = "cpu") -> tuple[int, int]:
@@ -238,15 +242,13 @@ class TrainLoop:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`[b, T]` logprobs and entropy of `mb`'s completion tokens (collate's layout), zero elsewhere."""
         with self._autocast():
-            logprobs_N, entropy_N = self.model(
-                inputs.input_ids,
-                inputs.position_ids,
-                inputs.hidden_index,
-                inputs.cu_seqlens,
-                inputs.max_length,
-                with_entropy,
-            )
-        shape = mb["input_ids"].shape
+            logprobs_N, entropy_N = self.model(*inputs.model_args(), with_entropy)
+        return self._to_BT(mb["input_ids"].shape, inputs, logprobs_N, entropy_N)
+
+    def _to_BT(
+        self, shape: torch.Size, inputs: ModelInputs, logprobs_N: torch.Tensor, entropy_N: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's `[n]` logprobs and entropy placed at their tokens of the `[b, T]` batch."""
         base = torch.zeros(shape.numel(), dtype=torch.float32, device=self.device)
         logprobs_BT = base.index_put((inputs.target_index,), logprobs_N).view(shape)
         entropy_BT = base.index_put((inputs.target_index,), entropy_N).view(shape)
@@ -277,16 +279,73 @@ class TrainLoop:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _loss_batch(
+        self, seqs: Sequence[TrainSequence], bin_: list[int], done: Prox
+    ) -> tuple[dict[str, torch.Tensor], ModelInputs]:
+        """The loss batch and model inputs of `bin_`: `_logprob_pass`'s (with its pi_prox as
+        `prox_logprobs`) when `done` holds them, else collated now."""
+        if done is None:
+            return self._collate([seqs[i] for i in bin_])
+        mb, inputs, prox_BT = done
+        mb["prox_logprobs"] = prox_BT
+        return mb, inputs
+
+    def _add_loss(
+        self, sums: UpdateSums, mb: dict[str, torch.Tensor], loss_fn: LossFn, denominator: torch.Tensor
+    ) -> torch.Tensor:
+        """Run `loss_fn` on `mb` (which holds `logprobs` and `entropy`) and add its loss, the trained
+        tokens' entropy and its stats to `sums`; returns the loss (to backpropagate)."""
+        mb["global_tokens"] = denominator
+        loss, stats = loss_fn(mb)
+        loss_sum, entropy_sum, stats_acc = sums
+        loss_sum += loss.detach().double()
+        entropy_sum += (mb["entropy"] * mb["mask"]).sum().double()
+        for key, value in stats.items():
+            v = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
+            if key not in stats_acc:
+                stats_acc[key] = v
+            elif key.endswith("_max"):
+                stats_acc[key] = torch.maximum(stats_acc[key], v)
+            else:
+                stats_acc[key] = stats_acc[key] + v
+        return loss
+
+    def _new_sums(self) -> UpdateSums:
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        return zero, zero.clone(), {}
+
+    def _update_passes(
+        self,
+        seqs: Sequence[TrainSequence],
+        bins: list[list[int] | None],
+        prox: list[Prox],
+        loss_fn: LossFn,
+        denominator: torch.Tensor,
+    ) -> UpdateSums:
+        """Forward, loss and backward of every bin (an empty pass for None), in order; returns the
+        summed loss, the summed entropy of trained tokens and loss_fn's accumulated stats."""
+        sums = self._new_sums()
+        self.model.train()
+        for k, bin_ in enumerate(bins):
+            if bin_ is None:
+                logprobs_BT, _ = self._forward(*self._empty_batch())
+                (logprobs_BT.sum() * 0.0).backward()
+                continue
+            done, prox[k] = prox[k], None  # each batch lives until its update only
+            mb, inputs = self._loss_batch(seqs, bin_, done)
+            logprobs_BT, entropy_BT = self._forward(mb, inputs)
+            mb.update(logprobs=logprobs_BT, entropy=entropy_BT)
+            self._add_loss(sums, mb, loss_fn, denominator).backward()
+        return sums
+
     # ------------------------------------------------------------------ public
 
     @torch.no_grad()
-    def _logprob_pass(
-        self, seqs: Sequence[TrainSequence], bins: list[list[int] | None]
-    ) -> list[tuple[dict[str, torch.Tensor], ModelInputs, torch.Tensor] | None]:
+    def _logprob_pass(self, seqs: Sequence[TrainSequence], bins: list[list[int] | None]) -> list[Prox]:
         """No-grad forward of every bin of `_micro_batches` (an empty pass for None): per bin its
         collated batch, model inputs and `[b, T]` float32 logprobs (None for an empty pass)."""
         self.model.eval()
-        out: list[tuple[dict[str, torch.Tensor], ModelInputs, torch.Tensor] | None] = []
+        out: list[Prox] = []
         for bin_ in bins:
             if bin_ is None:
                 self._forward(*self._empty_batch(), with_entropy=False)
@@ -357,40 +416,11 @@ class TrainLoop:
             global_tokens = self._all_reduce([float(local_loss_tokens)])[0]
         denominator = torch.tensor(float(max(global_tokens, 1)), device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        stats_acc: dict[str, torch.Tensor] = {}
         bins = self._micro_batches(seqs)
         prox = self._logprob_pass(seqs, bins) if compute_prox else [None] * len(bins)
         if compute_prox:
             clock.mark()
-        self.model.train()
-        for k, bin_ in enumerate(bins):
-            if bin_ is None:
-                logprobs_BT, _ = self._forward(*self._empty_batch())
-                (logprobs_BT.sum() * 0.0).backward()
-                continue
-            done = prox[k]
-            prox[k] = None  # drop the pass's reference: each batch lives until its update only
-            if done is None:
-                mb, inputs = self._collate([seqs[i] for i in bin_])
-            else:
-                mb, inputs, prox_BT = done
-                mb["prox_logprobs"] = prox_BT
-            logprobs_BT, entropy_BT = self._forward(mb, inputs)
-            mb.update(logprobs=logprobs_BT, entropy=entropy_BT, global_tokens=denominator)
-            loss, stats = loss_fn(mb)
-            loss.backward()
-            loss_sum += loss.detach().double()
-            entropy_sum += (entropy_BT * mb["mask"]).sum().double()
-            for key, value in stats.items():
-                v = torch.as_tensor(value).detach().to(device=self.device, dtype=torch.float64)
-                if key not in stats_acc:
-                    stats_acc[key] = v
-                elif key.endswith("_max"):
-                    stats_acc[key] = torch.maximum(stats_acc[key], v)
-                else:
-                    stats_acc[key] = stats_acc[key] + v
+        loss_sum, entropy_sum, stats_acc = self._update_passes(seqs, bins, prox, loss_fn, denominator)
 
         grad_norm = self._clip_gradients()
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -456,7 +486,7 @@ class TrainLoop:
             [as_tensor(v) for v in maxes] + [as_tensor(stats.get(k, -math.inf)) for k in max_keys]
         )
         if self.distributed:
-            dist.all_reduce(sum_t, group=self.dp_group)
+            self._sum_over_ranks(sum_t)
             dist.all_reduce(max_t, op=dist.ReduceOp.MAX)
         sum_list, max_list = sum_t.tolist(), max_t.tolist()
         out_sums: dict[Any, float] = dict(enumerate(sum_list[: len(sums)]))
@@ -464,6 +494,11 @@ class TrainLoop:
         out_maxes: dict[Any, float] = dict(enumerate(max_list[: len(maxes)]))
         out_maxes.update(zip(max_keys, max_list[len(maxes) :], strict=True))
         return out_sums, out_maxes
+
+    def _sum_over_ranks(self, values: torch.Tensor) -> None:
+        """In place: the step's sums (losses, token counts, stats) over the ranks that hold different
+        data, each counted once."""
+        dist.all_reduce(values, group=self.dp_group)
 
     def _clip_gradients(self) -> float:
         """Global gradient norm over all ranks (before clipping); clips in place when grad_clip > 0."""

@@ -232,17 +232,19 @@ def test_ctrl_c_stops_the_run_and_the_same_command_resumes_it(tmp_path: Path, ti
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron-tensor", "megatron-pipeline"])
 def test_two_rank_trainer_under_torchrun_completes_a_run(
     tmp_path: Path, tiny_model: Path, backend: str
 ) -> None:
     """trainer.num_ranks = 2: the launcher starts the trainer under torchrun (gloo on CPU);
     rank 0 drives the bus, rank 1 follows, and the run commits every step once. FSDP2 shards
-    over both ranks; the Megatron backend splits each layer over them (tensor_parallel 2)."""
-    if backend == "megatron":
+    over both ranks; the Megatron backend splits each layer over them (tensor_parallel 2) or puts
+    half the layers on each (pipeline_parallel 2: rank 0 is the first stage, rank 1 computes the loss)."""
+    kind = backend.partition("-")[2]
+    if kind:
         pytest.importorskip("megatron.core")
     total, batch = 3, 4
-    parallel = {"backend": "megatron", "megatron": {"tensor_parallel": 2}} if backend == "megatron" else {}
+    parallel = {"backend": "megatron", "megatron": {f"{kind}_parallel": 2}} if kind else {}
     cfg = tiny_config(
         tmp_path,
         tiny_model,
@@ -259,8 +261,8 @@ def test_two_rank_trainer_under_torchrun_completes_a_run(
     res = run_job(cfg, timeout=600)
     assert res.returncode == 0, res.output[-4000:]
     logs = res.output + "".join(p.read_text() for p in (res.run_dir / "logs").glob("trainer*"))
-    if backend == "megatron":
-        assert '"tensor_parallel": 2' in logs
+    if kind:
+        assert f'"{kind}_parallel": 2' in logs
     else:
         assert "world_size=2" in logs or '"world_size": 2' in logs
     steps = read_steps(res.run_dir, "ranks")

@@ -1,6 +1,7 @@
 """Megatron backend on CPU (gloo): megatron-core's GPT model trained by the shared loop agrees with the
-FSDP2 engine on Llama, Qwen2 and Qwen3 models, at tensor_parallel 1 and 2 and with data parallelism,
-and its checkpoints resume losslessly at another tensor-parallel size.
+FSDP2 engine on Llama, Qwen2 and Qwen3 models, at tensor_parallel 1 and 2, over 2 and 3 pipeline
+stages and with data parallelism, and its checkpoints resume losslessly at another tensor-parallel or
+pipeline size.
 
 megatron-core keeps global parallel state and needs a process group, so every Megatron engine runs in
 spawned processes; the FSDP2 reference runs in the test process.
@@ -101,14 +102,14 @@ def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str,
     torch.set_num_threads(1)
     try:
         for job in jobs:
-            megatron = MegatronConfig(tensor_parallel=job["tp"])
+            megatron = MegatronConfig(tensor_parallel=job["tp"], pipeline_parallel=job.get("pp", 1))
             # Activation checkpointing and 5-row logprob chunks must not change the numbers.
             extra = {"gradient_checkpointing": True, "logprob_chunk_tokens": 5} if job["tp"] > 1 else {}
             engine = MegatronTrainEngine(job["model"], megatron=megatron, **OPTIONS, **extra)
             seqs = make_batch()
             if engine.dp_size > 1:
                 seqs = seqs[engine.dp_rank :: engine.dp_size]
-            result: dict[str, Any] = {"dp_rank": engine.dp_rank}
+            result: dict[str, Any] = {"dp_rank": engine.dp_rank, "stage": engine.stages.rank}
             if "resume_from" in job:  # a checkpoint of another tensor-parallel size, then one step
                 load_checkpoint(job["resume_from"], engine=engine)
                 result["resumed"] = engine.train_step(seqs, pg_loss)
@@ -212,3 +213,33 @@ def test_bf16_on_cpu_is_refused_before_anything_starts(models: dict[str, Path]) 
     ):
         MegatronTrainEngine(models["llama"], dtype="bfloat16")
     assert not dist.is_initialized()  # refused before megatron-core's process group
+
+
+def test_pipeline_stages_match_fsdp2_and_resume_in_one_stage(models: dict[str, Path], tmp_path: Path) -> None:
+    """pipeline_parallel 2 on the tied Llama (one layer per stage) and 3 on a three-layer untied Qwen2
+    (a middle stage): the last stage's logprobs, every stage's losses and grad norms, and the weights
+    rank 0 gathers from all stages equal FSDP2's (the tied embedding's two copies stay one); the Llama
+    checkpoint resumes in one process and the next step's loss is the one the pipeline computed."""
+    qwen2 = tmp_path / "qwen2-3"
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(
+        Qwen2Config(**{**SHAPE, "num_hidden_layers": 3}, tie_word_embeddings=False)
+    ).save_pretrained(qwen2)
+    ckpt = tmp_path / "pp2-run"
+    spawn(2, tmp_path, [{"name": "pp-llama", "model": models["llama"], "tp": 1, "pp": 2, "checkpoint": ckpt}])
+    spawn(3, tmp_path, [{"name": "pp-qwen2", "model": qwen2, "tp": 1, "pp": 3}])
+    spawn(1, tmp_path, [{"name": "pp-resume", "model": models["llama"], "tp": 1, "resume_from": ckpt}])
+    for name, model, size in (("llama", models["llama"], 2), ("qwen2", qwen2, 3)):
+        _, want = reference(model)
+        ranks = [torch.load(tmp_path / f"pp-{name}-rank{r}.pt", weights_only=False) for r in range(size)]
+        assert [r["stage"] for r in ranks] == list(range(size))
+        first, last = ranks[0], ranks[-1]
+        assert all(r["weights"] is None for r in ranks[1:])  # rank 0 gathers the stages
+        assert_same_run(last | {"weights": first["weights"]}, want)
+        for r in ranks[:-1]:
+            assert_same_run(r | {"logprobs": last["logprobs"], "weights": None}, want)
+            assert all(not lp.any() for lp in r["logprobs"])  # only the last stage computes logprobs
+    resumed = torch.load(tmp_path / "pp-resume-rank0.pt", weights_only=False)
+    llama = torch.load(tmp_path / "pp-llama-rank0.pt", weights_only=False)
+    for key in ("loss", "grad_norm"):
+        assert resumed["resumed"][key] == pytest.approx(llama["next"][key], rel=1e-5, abs=1e-7), key
