@@ -44,9 +44,8 @@ from areal_async import lora as lora_lib
 from areal_async.engines import logprobs, varlen
 from areal_async.engines.fsdp_model import TokenLogprobModel
 from areal_async.engines.fsdp_weights import FSDPWeights
-from areal_async.engines.train_loop import (
-    LossFn,
-    TrainLoop,
+from areal_async.engines.train_loop import LossFn, TrainLoop
+from areal_async.engines.train_setup import (
     fast_bf16,
     init_distributed,
     lr_factor,

@@ -54,7 +54,8 @@ from areal_async.engines.megatron_model import (
     vocab_parallel_logprobs,
 )
 from areal_async.engines.megatron_pipeline import StageNames, Stages, gather_to_first
-from areal_async.engines.train_loop import TrainLoop, init_distributed, make_optimizer, resolve_train_dtype
+from areal_async.engines.train_loop import TrainLoop
+from areal_async.engines.train_setup import init_distributed, make_optimizer, resolve_train_dtype
 
 log = structlog.get_logger(__name__)
 

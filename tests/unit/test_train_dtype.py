@@ -6,32 +6,32 @@ import pytest
 import structlog
 import torch
 
-from areal_async.engines import train_loop
+from areal_async.engines import train_setup
 from areal_async.engines.fsdp import FSDPTrainEngine
 
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_auto_is_bfloat16_only_where_bf16_is_native(monkeypatch: pytest.MonkeyPatch, fast: bool) -> None:
-    monkeypatch.setattr(train_loop, "fast_bf16", lambda device: fast)
-    assert train_loop.resolve_train_dtype("auto", torch.device("cpu")) == ("bfloat16" if fast else "float32")
-    assert train_loop.resolve_train_dtype("float32", torch.device("cpu")) == "float32"
+    monkeypatch.setattr(train_setup, "fast_bf16", lambda device: fast)
+    assert train_setup.resolve_train_dtype("auto", torch.device("cpu")) == ("bfloat16" if fast else "float32")
+    assert train_setup.resolve_train_dtype("float32", torch.device("cpu")) == "float32"
 
 
 def test_explicit_bfloat16_is_kept_but_warns_where_it_is_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(train_loop, "fast_bf16", lambda device: False)
+    monkeypatch.setattr(train_setup, "fast_bf16", lambda device: False)
     with structlog.testing.capture_logs() as logs:
-        assert train_loop.resolve_train_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
+        assert train_setup.resolve_train_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert len(warnings) == 1 and "trainer.dtype: auto" in warnings[0]["fix"]
-    monkeypatch.setattr(train_loop, "fast_bf16", lambda device: True)
+    monkeypatch.setattr(train_setup, "fast_bf16", lambda device: True)
     with structlog.testing.capture_logs() as logs:
-        assert train_loop.resolve_train_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
+        assert train_setup.resolve_train_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
     assert not logs
 
 
 def test_cpu_bf16_probe_matches_what_torch_reports() -> None:
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert train_loop.fast_bf16(torch.device("cpu")) is bool(native)
+    assert train_setup.fast_bf16(torch.device("cpu")) is bool(native)
 
 
 def test_unknown_dtype_names_the_choices(tmp_path) -> None:
