@@ -2,7 +2,8 @@
 
 An event that decodes but cannot be acted on is dead-lettered with the reason and the worker goes
 on; restored state that fails validation is quarantined (logged, kept aside, in the dead letters),
-never a crash loop.
+never a crash loop. A failure that is legitimate although it names a task the controller counts as
+trained (a restored trainer recycling a group of a step it lost) is acted on, not dead-lettered.
 """
 
 from __future__ import annotations
@@ -49,16 +50,19 @@ async def _dead_letters(bus: Bus) -> list[DeadLetter]:
     return out
 
 
-def _scored(task_id: str, *, index: int, attempt: int = 0, reward: float = 1.0) -> ScoredGroup:
+def _scored(
+    task_id: str, *, index: int, attempt: int = 0, reward: float = 1.0, version: int = 0
+) -> ScoredGroup:
     completion = Completion(
         token_ids=pack_i32([4, 5]),
         logprobs=pack_f32([-0.5, -0.5]),
-        versions=pack_i32([0, 0]),
+        versions=pack_i32([version, version]),
         finish_reason="stop",
     )
     group = RolloutGroup(
         task_id=task_id, kind="train", index=index, epoch=0, attempt=attempt, row={}, engine_id="g",
-        prompt_ids=pack_i32([1]), completions=[completion, completion], head_version=0, tail_version=0,
+        prompt_ids=pack_i32([1]), completions=[completion, completion], head_version=version,
+        tail_version=version,
     )  # fmt: skip
     return ScoredGroup(group=group, rewards=[reward, 0.0], reward_errors=["", ""], reward_seconds=0.0)
 
@@ -137,3 +141,35 @@ async def test_the_trainer_holds_only_issued_finite_groups(
         for s in range(info.state.first_seq, info.state.last_seq + 1)
     ]
     assert sorted(kinds) == ["duplicate", "error"]
+
+
+@pytest.mark.asyncio
+async def test_a_group_a_restored_trainer_recycles_from_a_lost_step_is_reissued(
+    bus_factory, run_name: str, tmp_path: Path
+) -> None:
+    """The controller counted steps 1 and 2; the trainer, restored at version 0, gets step 2's group
+    e0-i3 back (made by version 1: ``future`` for it) before it repeats any step. The trainer recycles
+    it, and the controller takes it out of step 2 and re-issues it (attempt 1) instead of
+    dead-lettering the failure, which left the run one batch short for good."""
+    bus = await bus_factory(provision=True)
+    controller = Controller(_context(bus, run_name, tmp_path, "controller"))
+    ids = [controller.state.take_new(0, i).task_id for i in range(4)]
+    controller.state.on_trained(1, ids[:2])
+    controller.state.on_trained(2, ids[2:])
+    await RunState(bus).issue(IssuedTask(task_id="e0-i3", kind="train", epoch=0, index=3, attempt=0))
+    trainer = Trainer(
+        _context(bus, run_name, tmp_path, "trainer"), SimpleNamespace(version=0), trained_ids=set()
+    )
+    await bus.publish(bus.subjects.rollout_scored, _scored("e0-i3", index=3, version=1))
+    with anyio.move_on_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer.receive)
+            tg.start_soon(trainer.next_batch)
+            tg.start_soon(controller.on_failed)
+            while not controller.state.retry:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+    assert [list(r) for r in controller.state.retry] == [["e0-i3", 0, 3]]
+    assert controller.state.step_tasks[2] == ["e0-i2"] and controller.state.trained == 3
+    assert controller.state.attempts["e0-i3"] == 1
+    assert not await _dead_letters(bus)
