@@ -102,6 +102,8 @@ class P2P:
         s = self.stages
         dst = s.ranks[s.rank + 1] if forward else s.ranks[s.rank - 1]
         data = tensor.detach().float().contiguous()
+        # A send's buffer lives until the send completes, not until the step ends.
+        self.pending = [(work, buf) for work, buf in self.pending if not work.is_completed()]
         self.pending.append((dist.isend(data, dst, tag=0 if forward else 1), data))
 
     def recv(self, shape: Sequence[int], *, forward: bool) -> torch.Tensor:
