@@ -14,8 +14,9 @@ groups of `tensor_parallel` ranks, pipelines of `pipeline_parallel` stages
 across them. Ranks of a tensor-parallel group or a pipeline get the same shard of the batch
 (`dp_rank`); the learner scatters over `dp_size`. Under torchrun the process group is the trainer's (gloo on CPU, NCCL on CUDA);
 without torchrun the engine creates a one-rank group, because megatron-core needs one.
-Gradients are summed over the data-parallel group, then clipped by the norm over all shards
-(each tensor-parallel slice and pipeline stage counted once). `MegatronConfig` (`trainer.megatron`)
+Gradients are summed over the data-parallel group (and the q/k norms' over the tensor-parallel
+group, whose ranks each hold other heads), then clipped by the norm over all shards (each
+tensor-parallel slice and pipeline stage counted once). `MegatronConfig` (`trainer.megatron`)
 refuses context and sequence parallelism: they need Transformer Engine's layers, which this
 backend does not drive.
 
@@ -103,6 +104,16 @@ def _recompute_in_backward(layer: nn.Module) -> None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     layer.forward = run  # type: ignore[method-assign]
+
+
+def _sum_over(grads: list[torch.Tensor], group: Any) -> None:
+    """In place: each gradient summed over `group`, in one all-reduce."""
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
 
 
 def _init_parallel(tensor_parallel: int, pipeline_parallel: int, world_size: int) -> None:
@@ -367,20 +378,30 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             param.grad = torch.zeros_like(param)
         dist.all_reduce(param.grad, group=parallel_state.get_embedding_group())
 
+    def _sum_head_norm_grads(self) -> None:
+        """q/k norms (Qwen3) are one weight for every head, replicated over tensor-parallel ranks that
+        each hold other heads: their gradients are summed over the tensor-parallel group."""
+        if self.tp_size == 1:
+            return
+        grads = [
+            p.grad
+            for name, p in self.named.items()
+            if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+        ]
+        _sum_over(grads, self.tp_group)
+
     # ------------------------------------------------------------ gradients
 
     def _clip_gradients(self) -> float:
         """Sum gradients over data-parallel ranks (and a tied embedding's two copies over pipeline
         stages), then the global norm (each slice once) and clip."""
         self._sum_tied_embedding_grads()
+        self._sum_head_norm_grads()
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return 0.0
         if self.dp_size > 1:
-            flat = torch.cat([g.flatten() for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(part.view_as(g))
+            _sum_over(grads, self.dp_group)
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         for name, p in self.named.items():
             whole = self.names.whole(name)

@@ -156,13 +156,17 @@ def test_megatron_matches_fsdp2_on_each_family_and_tensor_parallel_resumes_at_tp
     models: dict[str, Path], tmp_path: Path
 ) -> None:
     """One process per family: logprobs, two steps' loss/grad norm and the updated HF weights equal FSDP2's
-    (float32). Two tensor-parallel ranks on Qwen2 give the same run; their checkpoint resumes in one process
-    (tensor_parallel 1) and the next step's loss is the one the TP=2 run computed."""
+    (float32). Two tensor-parallel ranks on Qwen2 and on Qwen3 (whose q/k norms see different heads on
+    each rank) give the same run; the Qwen2 checkpoint resumes in one process (tensor_parallel 1) and the
+    next step's loss is the one the TP=2 run computed."""
     ckpt = tmp_path / "tp2-run"
     spawn(
         2,
         tmp_path,
-        [{"name": "tp2", "model": models["qwen2"], "tp": 2, "checkpoint": ckpt}],
+        [
+            {"name": "tp2", "model": models["qwen2"], "tp": 2, "checkpoint": ckpt},
+            {"name": "tp2-qwen3", "model": models["qwen3"], "tp": 2},
+        ],
     )
     jobs = [{"name": f, "model": models[f], "tp": 1} for f in FAMILIES]
     jobs.append({"name": "resume", "model": models["qwen2"], "tp": 1, "resume_from": ckpt})
@@ -182,6 +186,10 @@ def test_megatron_matches_fsdp2_on_each_family_and_tensor_parallel_resumes_at_tp
     assert tp[1]["weights"] is None  # rank 0 gathers the slices
     for r in tp:
         assert_same_run({**r, "weights": r["weights"] if r is tp[0] else None}, want)
+    _, want = reference(models["qwen3"])  # q/k norms: one weight for the heads of both ranks
+    qwen3 = [torch.load(tmp_path / f"tp2-qwen3-rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in qwen3:
+        assert_same_run({**r, "weights": r["weights"] if r is qwen3[0] else None}, want)
     resumed = torch.load(tmp_path / "resume-rank0.pt", weights_only=False)
     assert resumed["version"] == STEPS + 1
     for key in ("loss", "grad_norm"):
