@@ -48,7 +48,6 @@ from bus.events import (
     GenerateReply,
     PromptTask,
     RolloutFailed,
-    RolloutGroup,
     ScoredGroup,
     pack_f32,
     pack_i32,
@@ -58,7 +57,7 @@ from bus.events import (
 )
 from bus.state import RunState
 from bus.subjects import Streams
-from workers.common import check_issued, resolve_model_path, run_sampling
+from workers.common import check_issued, resolve_model_path, run_sampling, task_group
 from workers.runtime import WorkerContext
 
 log = structlog.get_logger()
@@ -312,25 +311,15 @@ class Agent:
                 "the episodes of one task started from different prompts; a workflow must render the row alike"
             )
         errors = [";".join(e.info.get("reward_errors", [])) for e in episodes]
-        tokens = sum(c.num_tokens for c in completions)
-        group = RolloutGroup(
-            task_id=task.task_id,
-            kind=task.kind,
-            index=task.index,
-            epoch=task.epoch,
-            attempt=task.attempt,
-            row=task.row,
-            engine_id=self.ctx.worker_id,
-            prompt_ids=pack_i32(list(prompts.pop())),
-            completions=completions,
+        group = task_group(
+            task,
+            self.ctx.worker_id,
+            list(prompts.pop()),
+            completions,
             head_version=min(e.head_version for e in episodes),
             tail_version=max(e.tail_version for e in episodes),
-            timings={
-                "generate_s": seconds,
-                "queue_s": max(0.0, time.time() - task.issued_at - seconds),
-                "tokens": float(tokens),
-                **episode_stats(episodes),
-            },
+            seconds=seconds,
+            stats=episode_stats(episodes),
         )
         return ScoredGroup(
             group=group, rewards=[float(e.reward) for e in episodes], reward_errors=errors, reward_seconds=0.0

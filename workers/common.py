@@ -8,6 +8,7 @@ event cannot make a worker read arbitrary files. Nothing on the wire is ever unp
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from areal_async.config import RunConfig
 from areal_async.engines.base import SamplingParams
 from areal_async.errors import ConfigError
 from bus.errors import BusError
-from bus.events import PromptTask
+from bus.events import Completion, PromptTask, RolloutGroup, pack_i32
 from bus.state import RunState
 
 log = structlog.get_logger()
@@ -110,3 +111,37 @@ async def check_issued(run_state: RunState, task: Any) -> None:
     )
     if problem:
         raise ValueError(f"task {task.task_id!r}: {problem}")
+
+
+def task_group(
+    task: PromptTask,
+    engine_id: str,
+    prompt_ids: list[int],
+    completions: list[Completion],
+    *,
+    head_version: int,
+    tail_version: int,
+    seconds: float,
+    stats: dict[str, float] | None = None,
+) -> RolloutGroup:
+    """The rollout group answering ``task``: its completions, versions and timings (generate and queue
+    seconds, tokens, plus ``stats``)."""
+    return RolloutGroup(
+        task_id=task.task_id,
+        kind=task.kind,
+        index=task.index,
+        epoch=task.epoch,
+        attempt=task.attempt,
+        row=task.row,
+        engine_id=engine_id,
+        prompt_ids=pack_i32(list(prompt_ids)),
+        completions=completions,
+        head_version=head_version,
+        tail_version=tail_version,
+        timings={
+            "generate_s": seconds,
+            "queue_s": max(0.0, time.time() - task.issued_at - seconds),
+            "tokens": float(sum(c.num_tokens for c in completions)),
+            **(stats or {}),
+        },
+    )

@@ -53,7 +53,7 @@ from bus.events import (
 )
 from bus.state import WEIGHTS_SERVED, RunState, StateRecordError
 from bus.subjects import Streams
-from workers.common import check_issued, checked_weights_path, resolve_model_path, run_sampling
+from workers.common import check_issued, checked_weights_path, resolve_model_path, run_sampling, task_group
 from workers.runtime import WorkerContext
 
 log = structlog.get_logger()
@@ -386,24 +386,14 @@ def rollout_group(
         )
         for r, text in zip(results, texts, strict=True)
     ]
-    tokens = sum(len(r.token_ids) for r in results)
-    return RolloutGroup(
-        task_id=task.task_id,
-        kind=task.kind,
-        index=task.index,
-        epoch=task.epoch,
-        attempt=task.attempt,
-        row=task.row,
-        engine_id=engine_id,
-        prompt_ids=pack_i32(list(prompt_ids)),
-        completions=completions,
+    return task_group(
+        task,
+        engine_id,
+        prompt_ids,
+        completions,
         head_version=min(r.head_version for r in results),
         tail_version=max(r.tail_version for r in results),
-        timings={
-            "generate_s": seconds,
-            "queue_s": max(0.0, time.time() - task.issued_at - seconds),
-            "tokens": float(tokens),
-        },
+        seconds=seconds,
     )
 
 
