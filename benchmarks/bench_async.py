@@ -9,6 +9,10 @@ off: plain PPO against the behaviour logprobs) the script runs the job with
 - seconds per step, time to reach ``--target`` eval accuracy, final eval accuracy
 - staleness mean/max over trained groups
 - bus share: seconds the trainer spent publishing and decoding events / step time
+- the step's phases (wait for data, compute with its pi_prox forward, weight snapshot), the weight
+  hand-off (published -> every engine serving, the engine's own load, both from the run's logs)
+  and, where nvidia-smi runs, the GPUs' busy share and peak memory over the measured steps
+  (``--warmup N`` leaves the first N steps, with their compilation, out of every figure)
 - the ideal overlap bound (t_gen + t_train) / max(t_gen, t_train) from the eta = 0 run's own
   phase times (t_gen = the trainer's wait for data, t_train = compute + weight snapshot), and each
   run's speed-up over, and share of, that bound; decoupled and naive runs each against their own
@@ -39,6 +43,7 @@ from typing import Any
 
 from areal_async.run_file import load_config
 from benchmarks import harness
+from benchmarks.gpu_busy import GpuSampler
 from workers.report import read_jsonl
 
 REPO = harness.REPO
@@ -51,8 +56,15 @@ METRICS: dict[str, harness.Direction] = {
     "speedup_vs_eta0": "higher",
     "time_to_target_s": "lower",
     "final_eval_accuracy": "higher",
+    "save_s": "lower",
+    "served_s": "lower",
+    "gpu_busy": "higher",
 }
 """What report --check compares (rows: one per run, ``eta<N>`` and ``naive-eta<N>``)."""
+
+
+PHASES = ("wait_s", "compute_s", "prox_seconds", "save_s")
+"""Per-step phases from metrics.jsonl averaged into each row."""
 
 
 def command_for(
@@ -102,19 +114,33 @@ def placement(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return lines
 
 
+def log_seconds(run_dir: Path, event: str, key: str, versions: set[int]) -> list[float]:
+    """``key`` of every ``event`` line, for ``versions``, in the run's per-worker JSON logs."""
+    out = []
+    for path in sorted((run_dir / "logs").glob("*.jsonl")):
+        for line in read_jsonl(path):
+            if line.get("event") == event and line.get("policy_version") in versions and key in line:
+                out.append(float(line[key]))
+    return out
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> dict[str, Any]:
     run_dir = args.out / label
     cmd, extra, overrides = command_for(args, label, eta, decoupled)
     env = {**os.environ, **extra}
     started = time.time()
-    with open(args.out / f"{label}.log", "wb") as log:
+    with open(args.out / f"{label}.log", "wb") as log, GpuSampler() as gpu:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if not args.keep_weights:
         # A run ends with a checkpoint and its last published versions (~2.6 GB for SmolLM2 with
         # its optimizer); a full sweep would otherwise fill a small disk or a tmpfs.
         for path in (run_dir / "checkpoints", load_config(args.config, overrides).weights_root):
             shutil.rmtree(path, ignore_errors=True)
-    steps = read_jsonl(run_dir / "metrics.jsonl")
+    steps = read_jsonl(run_dir / "metrics.jsonl")[args.warmup :]
     evals = read_jsonl(run_dir / "eval.jsonl")
     row: dict[str, Any] = {
         "case": label,
@@ -125,10 +151,12 @@ def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> 
     }
     if len(steps) < 2:
         return row
-    span = steps[-1]["time"] - (steps[0]["time"] - steps[0]["step_s"])
+    t0 = steps[0]["time"] - steps[0]["step_s"]
+    span = steps[-1]["time"] - t0
     tokens = sum(s.get("loss_tokens", 0.0) for s in steps)
     step_s = sum(s["step_s"] for s in steps)
     reached = [e["time"] - started for e in evals if e["eval/accuracy"] >= args.target]
+    versions = {int(s["policy_version"]) for s in steps}
     row.update(
         steps=len(steps),
         trained_tokens_per_s=tokens / span,
@@ -141,23 +169,39 @@ def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> 
         bus_share=sum(s.get("bus_s", 0.0) for s in steps) / step_s,
         t_gen=sum(s["wait_s"] for s in steps) / len(steps),
         t_train=sum(s["compute_s"] + s["save_s"] for s in steps) / len(steps),
+        # The step's phases (means over the measured steps): pi_prox is part of compute.
+        **{k: mean([s[k] for s in steps if k in s]) for k in PHASES},
+        # published -> every engine serving, and the engine's own load, per version.
+        served_s=mean(log_seconds(run_dir, "weights served", "total_s", versions)),
+        engine_load_s=mean(log_seconds(run_dir, "weights loaded", "seconds", versions)),
+        gpu_busy=gpu.busy(t0, steps[-1]["time"]),
+        gpu_peak_mib=gpu.peak_mib(t0, steps[-1]["time"]),
         wall_s=time.time() - started,
     )
     return row
 
 
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = f"{'run':<14}{'tok/s':>9}{'s/step':>8}{'to target':>10}{'final acc':>10}{'stale':>12}{'bus %':>7}"
+    head += f"{'wait':>7}{'compute':>8}{'prox':>6}{'save':>7}{'served':>8}{'load':>7}{'GPU %':>7}"
     lines = [head]
     for r in rows:
         if "steps" not in r:
             lines.append(f"{r['label']:<14} failed (exit {r['returncode']})")
             continue
         tt = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "-"
-        acc = f"{r['final_eval_accuracy']:.3f}" if r["final_eval_accuracy"] is not None else "-"
+        acc = fmt(r["final_eval_accuracy"], ".3f")
+        busy = None if r["gpu_busy"] is None else 100 * r["gpu_busy"]
         lines.append(
             f"{r['label']:<14}{r['trained_tokens_per_s']:>9.1f}{r['seconds_per_step']:>8.2f}{tt:>10}{acc:>10}"
             f"{r['staleness_mean']:>7.2f}/{r['staleness_max']:<4.0f}{100 * r['bus_share']:>7.2f}"
+            f"{fmt(r['wait_s'], '.2f'):>7}{fmt(r['compute_s'], '.2f'):>8}{fmt(r['prox_seconds'], '.2f'):>6}"
+            f"{fmt(r['save_s'], '.3f'):>7}{fmt(r['served_s'], '.3f'):>8}{fmt(r['engine_load_s'], '.3f'):>7}"
+            f"{fmt(busy, '.0f'):>7}"
         )
     return "\n".join(lines)
 
@@ -189,6 +233,12 @@ def main() -> None:
     p.add_argument("--etas", default="0,1,2,4", help="decoupled PPO runs")
     p.add_argument("--naive-etas", default="0,4,8", help="runs with the decoupled loss off ('' = none)")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="leave each run's first N steps out of every figure (start-up, compilation, first rollouts)",
+    )
     p.add_argument("--target", type=float, default=0.5, help="eval accuracy for time-to-target")
     p.add_argument(
         "--affinity",

@@ -23,7 +23,8 @@ The repository keeps one baseline per (benchmark, hardware) in
 ``benchmarks/baselines/<benchmark>__<hardware>.json``; ``save_baseline`` replaces it and git
 history keeps the old one. ``python -m benchmarks.report`` renders docs/benchmarks.md from them.
 
-Torch is imported here only where the benchmark already imported it (GPU name, versions).
+Torch is imported here only where the benchmark already imported it or computed on CUDA (GPU name,
+versions).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def capture_env(device: str = "cpu") -> dict[str, Any]:
         "commit": _git_commit(),
     }
     torch = sys.modules.get("torch")
+    if torch is None and device.startswith("cuda"):
+        import torch  # a whole-run benchmark computed on the GPU in its child processes
     if torch is not None:
         env["torch"] = torch.__version__
         env["torch_threads"] = torch.get_num_threads()
