@@ -12,8 +12,17 @@ values (the ``weights.published`` -> ``weights.loaded`` path, without the bus's 
   (``WeightSender.prepare``); the engine maps it, checks the digest and copies
   (``WeightReceiver.receive`` + copy). Also reported: ``prepare_s``, the part on the trainer's
   step path.
+- ``lora``: a LoRA run's version: the trainer writes rank-``--lora-rank`` adapters of every linear
+  module (an adapter directory, ``areal_async/lora.py``) to ``/dev/shm``; the engine reads it and
+  merges ``W + scale * B @ A`` from its base weights into its parameters, as the local engine does
+  (on the CPU the merged tensors become the parameters). ``read_s`` / ``apply_s`` split the engine's
+  part.
+
+``--device cpu`` runs the engine on one thread (the generation worker's one core in the CPU
+configs) for ``disk``, ``tmpfs`` and ``lora``; ``135M`` is the SmolLM2-135M body (Qwen2 biases).
 
     python -m benchmarks.bench_weights                 # CUDA: 0.5B and 1.5B, three versions each
+    python -m benchmarks.bench_weights --device cpu --shapes 135M --transports lora tmpfs --versions 5
 """
 
 from __future__ import annotations
@@ -34,59 +43,107 @@ import torch.multiprocessing as mp
 from benchmarks import harness
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab (tied embeddings)
+    "135M": (576, 1536, 30, 9, 3, 49152),
     "0.5B": (896, 4864, 24, 14, 2, 151936),
     "1.5B": (1536, 8960, 28, 12, 2, 151936),
 }
-METRICS: dict[str, harness.Direction] = {"published_to_loaded_s": "lower", "prepare_s": "lower"}
+METRICS: dict[str, harness.Direction] = {
+    "published_to_loaded_s": "lower",
+    "prepare_s": "lower",
+    "read_s": "lower",
+    "apply_s": "lower",
+}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def qwen2_weights(shape: str, device: str) -> dict[str, torch.Tensor]:
-    """bf16 tensors of the Qwen2 ``shape``, HF names, random values."""
+def qwen2_sizes(shape: str) -> dict[str, tuple[int, ...]]:
+    """HF name -> size of every tensor of the Qwen2 ``shape``."""
     h, inter, layers, heads, kv, vocab = SHAPES[shape]
     d = h // heads
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
-
-    out = {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": rand(h)}
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     for i in range(layers):
         p = f"model.layers.{i}."
         out |= {
-            p + "input_layernorm.weight": rand(h),
-            p + "post_attention_layernorm.weight": rand(h),
-            p + "self_attn.q_proj.weight": rand(heads * d, h),
-            p + "self_attn.q_proj.bias": rand(heads * d),
-            p + "self_attn.k_proj.weight": rand(kv * d, h),
-            p + "self_attn.k_proj.bias": rand(kv * d),
-            p + "self_attn.v_proj.weight": rand(kv * d, h),
-            p + "self_attn.v_proj.bias": rand(kv * d),
-            p + "self_attn.o_proj.weight": rand(h, heads * d),
-            p + "mlp.gate_proj.weight": rand(inter, h),
-            p + "mlp.up_proj.weight": rand(inter, h),
-            p + "mlp.down_proj.weight": rand(h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (heads * d, h),
+            p + "self_attn.q_proj.bias": (heads * d,),
+            p + "self_attn.k_proj.weight": (kv * d, h),
+            p + "self_attn.k_proj.bias": (kv * d,),
+            p + "self_attn.v_proj.weight": (kv * d, h),
+            p + "self_attn.v_proj.bias": (kv * d,),
+            p + "self_attn.o_proj.weight": (h, heads * d),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
         }
     return out
 
 
-def _engine(shape: str, inbox: Any, outbox: Any) -> None:
-    """The engine process: parameters on its GPU; loads what each message names, reports when done."""
+def qwen2_weights(shape: str, device: str) -> dict[str, torch.Tensor]:
+    """bf16 tensors of the Qwen2 ``shape``, HF names, random values."""
+    g = torch.Generator(device=device).manual_seed(0)
+    return {
+        name: torch.randn(*size, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+        for name, size in qwen2_sizes(shape).items()
+    }
+
+
+def lora_adapters(shape: str, rank: int, device: str, seed: int) -> dict[str, torch.Tensor]:
+    """Random bf16 adapters (peft names) of every linear module of ``shape``."""
+    from areal_async.lora import PEFT_PREFIX
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, size in qwen2_sizes(shape).items():
+        if name.endswith(".weight") and name.split(".")[-2] in LORA_TARGETS:
+            rows, cols = size
+            module = PEFT_PREFIX + name.removesuffix(".weight")
+            for part, size in (("A", (rank, cols)), ("B", (rows, rank))):
+                t = torch.randn(*size, generator=g, device=device, dtype=torch.float32) / rank
+                out[f"{module}.lora_{part}.weight"] = t.to(torch.bfloat16)
+    return out
+
+
+def _engine(shape: str, device: str, inbox: Any, outbox: Any) -> None:
+    """The engine process: parameters on ``device``; loads what each message names, reports when done
+    (and how long it read and applied)."""
+    from areal_async import lora
     from areal_async.weights_file import read_safetensors_dir
     from workers.weight_transfer import WeightReceiver
 
-    params = {k: torch.empty_like(v) for k, v in qwen2_weights(shape, "cuda").items()}
-    torch.cuda.synchronize()
+    if device == "cpu":
+        torch.set_num_threads(1)  # the generation worker's one core
+    params = {k: torch.empty_like(v) for k, v in qwen2_weights(shape, device).items()}
+    base = {k: v.clone() for k, v in params.items()}  # what adapters apply to
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     cfg = SimpleNamespace(weight_sync=SimpleNamespace(transfer_timeout_s=60.0))
-    receiver = WeightReceiver(cfg, "cuda:0", "engine")  # type: ignore[arg-type]
+    receiver = WeightReceiver(cfg, "cuda:0", "engine") if device == "cuda" else None  # type: ignore[arg-type]
     outbox.put("ready")
     while (msg := inbox.get()) is not None:
         kind, payload = msg
-        state = receiver.receive(payload) if kind == "cuda_ipc" else read_safetensors_dir(Path(payload))
+        t0 = time.perf_counter()
+        if kind == "cuda_ipc":
+            assert receiver is not None
+            state = receiver.receive(payload)
+        elif kind == "lora":
+            adapter = lora.read_adapter_dir(payload)
+            read_s = time.perf_counter() - t0
+            state = lora.merge(base, adapter.tensors, adapter.scale)
+        else:
+            state = read_safetensors_dir(Path(payload))
         for name, tensor in state.items():
-            params[name].copy_(tensor, non_blocking=True)
-        torch.cuda.synchronize()
+            if kind == "lora" and device == "cpu":  # as the local engine: merged tensors become storage
+                params[name] = tensor
+            else:
+                params[name].copy_(tensor, non_blocking=True)
+        sync()
         del state
-        outbox.put(time.perf_counter())
+        done = time.perf_counter()
+        # Only the adapter path splits cleanly: full weights are read lazily (mmap) during the copy.
+        timings = {"read_s": read_s, "apply_s": done - t0 - read_s} if kind == "lora" else {}
+        outbox.put((done, timings))
 
 
 def main() -> None:
@@ -97,10 +154,17 @@ def main() -> None:
     parser.add_argument("--transports", nargs="+", default=["disk", "tmpfs", "cuda_ipc"])
     parser.add_argument("--versions", type=int, default=3, help="versions per case (median reported)")
     parser.add_argument("--disk-dir", default=None, help="directory on a real disk (default: a temp dir)")
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda", help="where the engine's parameters live"
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the lora transport's adapters")
     harness.add_output_args(parser)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_weights needs CUDA (the engine's parameters live on a GPU)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_weights --device cuda needs CUDA; use --device cpu for disk, tmpfs and lora")
+    if args.device == "cpu" and "cuda_ipc" in args.transports:
+        raise SystemExit("--transports cuda_ipc needs --device cuda; on the CPU choose disk, tmpfs or lora")
+    from areal_async import lora
     from areal_async.weights_file import write_weights_dir
     from bus.events import WeightsLoad
     from workers.weight_transfer import WeightSender
@@ -109,12 +173,13 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         inbox, outbox = ctx.Queue(), ctx.Queue()
-        engine = ctx.Process(target=_engine, args=(shape, inbox, outbox))
+        engine = ctx.Process(target=_engine, args=(shape, args.device, inbox, outbox))
         engine.start()
         assert outbox.get(timeout=300) == "ready"
         for transport in args.transports:
-            totals, prepares, nbytes = [], [], 0
-            root = Path(tempfile.mkdtemp(dir="/dev/shm" if transport == "tmpfs" else args.disk_dir or None))
+            totals, prepares, parts, nbytes = [], [], [], 0
+            shm = transport in ("tmpfs", "lora")
+            root = Path(tempfile.mkdtemp(dir="/dev/shm" if shm else args.disk_dir or None))
             cfg = SimpleNamespace(
                 weight_sync=SimpleNamespace(
                     transport=transport, bucket_mb=512, transfer_timeout_s=60.0, host="127.0.0.1"
@@ -122,22 +187,33 @@ def main() -> None:
             )
             sender = WeightSender(cfg, "cuda:0") if transport == "cuda_ipc" else None  # type: ignore[arg-type]
             for v in range(args.versions):
-                snapshot = qwen2_weights(shape, "cuda")
+                if transport == "lora":
+                    snapshot = lora_adapters(shape, args.lora_rank, args.device, seed=v)
+                else:
+                    snapshot = qwen2_weights(shape, args.device)
                 nbytes = sum(t.numel() * t.element_size() for t in snapshot.values())
-                torch.cuda.synchronize()
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if sender is not None:
                     sender.prepare(v, snapshot)
                     torch.cuda.synchronize()
                     prepares.append(time.perf_counter() - t0)
                     inbox.put(("cuda_ipc", WeightsLoad(policy_version=v, path="", transfer=sender.offer(v))))
+                elif transport == "lora":
+                    path = root / f"v{v}"
+                    rank = args.lora_rank
+                    lora.write_adapter_dir(path, snapshot, lora.LoraConfig(rank=rank, alpha=2.0 * rank))
+                    prepares.append(0.0)
+                    inbox.put((transport, str(path)))
                 else:
                     path = root / f"v{v}"
                     write_weights_dir(path, snapshot)  # what the trainer's writer does
                     prepares.append(0.0)
                     inbox.put((transport, str(path)))
-                done = outbox.get(timeout=300)
+                done, timings = outbox.get(timeout=300)
                 totals.append(done - t0)
+                parts.append(timings)
                 del snapshot
             shutil.rmtree(root, ignore_errors=True)
             row = {
@@ -147,21 +223,26 @@ def main() -> None:
                 "gb": round(nbytes / 1e9, 3),
                 "published_to_loaded_s": round(statistics.median(totals), 4),
                 "prepare_s": round(statistics.median(prepares), 4),
+                **{k: round(statistics.median(p[k] for p in parts), 4) for k in parts[0]},
                 "all_s": [round(t, 4) for t in totals],
             }
+            if transport == "lora":
+                row["lora_rank"] = args.lora_rank
             rows.append(row)
             print(row, flush=True)
         inbox.put(None)
         engine.join(60)
-    harness.print_table(rows, ["case", "gb", "published_to_loaded_s", "prepare_s"])
+    harness.print_table(rows, ["case", "gb", "published_to_loaded_s", "prepare_s", "read_s", "apply_s"])
     result = harness.make_result(
         "weights",
         args,
         rows,
         METRICS,
-        device="cuda",
-        note="Random bf16 weights of the Qwen2 shapes; one trainer and one engine process on one GPU. "
-        "disk/tmpfs include the fsynced write; cuda_ipc includes pack, digest, export, map, digest, copy.",
+        device=args.device,
+        note="Random bf16 weights of the Qwen2 shapes; one trainer and one engine process "
+        + ("on one GPU. " if args.device == "cuda" else "(the engine on one thread). ")
+        + "disk/tmpfs/lora include the fsynced write; cuda_ipc includes pack, digest, export, map, digest, copy; "
+        "lora merges rank-r adapters of every linear module into the engine's weights.",
     )
     harness.emit(result, args.out, args.save_baseline)
 
