@@ -5,12 +5,17 @@ Layout under the run directory `root`:
     checkpoints/
       latest            "step_<N>", replaced atomically after the step directory is committed
       step_<N>/
-        engine.pt       full (unsharded) model + optimizer + scheduler state and policy version
+        engine.pt       full (unsharded) model + optimizer + scheduler state and policy version; for an
+                        engine with `save_sharded` (Megatron) only its replicated part (schedule,
+                        optimizer step and hyperparameters, version), beside
+        engine/         that engine's sharded weights and optimizer moments (torch.distributed.checkpoint:
+                        every rank writes its own slices)
         rng.pt          python / numpy / torch (and CUDA) RNG state of every rank
         extra.json      the caller's `extra` (dataset position, ids of trained tasks, ...)
         meta.json       step, policy_version, world_size, saved_at
 
-Commit protocol: rank 0 writes everything into `checkpoints/.tmp-step_<N>/`, fsyncs it,
+Commit protocol: rank 0 writes everything (every rank its shards of `engine/`) into
+`checkpoints/.tmp-step_<N>/`, fsyncs it,
 renames it to `step_<N>/` (one atomic rename), then rewrites `latest`. A crash before the
 rename leaves the previous checkpoint as latest (the orphaned temp directory is removed by
 the next save); a crash between the rename and the pointer leaves the previous checkpoint
@@ -135,19 +140,24 @@ def save_checkpoint(
     start = time.perf_counter()
     rank, world_size = _rank_world()
     extra_json = json.dumps(extra)  # fail early, on every rank, if extra is not JSON
-    state = engine.state_dict()
-    rng_states: list[Any] = [_rng_state()]
-    if world_size > 1:
-        rng_states = [None] * world_size
-        dist.all_gather_object(rng_states, _rng_state())
     ckpt_dir = Path(root) / CHECKPOINT_DIR
     final = ckpt_dir / f"step_{step}"
+    tmp = ckpt_dir / f".tmp-step_{step}"
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         for stale in ckpt_dir.glob(".tmp-step_*"):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = ckpt_dir / f".tmp-step_{step}"
         tmp.mkdir()
+    if hasattr(engine, "save_sharded"):
+        _barrier()  # the directory exists before any rank writes its shards
+        state = engine.save_sharded(tmp / "engine")
+    else:
+        state = engine.state_dict()
+    rng_states: list[Any] = [_rng_state()]
+    if world_size > 1:
+        rng_states = [None] * world_size
+        dist.all_gather_object(rng_states, _rng_state())
+    if rank == 0:
         torch.save(state, tmp / "engine.pt")
         torch.save(rng_states, tmp / "rng.pt")
         (tmp / "extra.json").write_text(extra_json)
@@ -193,7 +203,10 @@ def load_checkpoint(
         )
     rank, _ = _rank_world()
     state = torch.load(ckpt / "engine.pt", map_location="cpu", mmap=True, weights_only=True)
-    engine.load_state_dict(state)
+    if hasattr(engine, "load_sharded"):
+        engine.load_sharded(ckpt / "engine", state)
+    else:
+        engine.load_state_dict(state)
     del state
     rng_states = torch.load(ckpt / "rng.pt", weights_only=False)
     _set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])

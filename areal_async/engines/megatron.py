@@ -26,9 +26,11 @@ linear layers re-enter autocast in backward on CUDA only.
 
 Same contracts as the FSDP2 engine: the training loop, loss and metrics (`engines/train_loop.py`);
 `snapshot_hf` / `save_hf` / `write_hf` give HF-named full weights on rank 0 (tensor-parallel
-slices and pipeline stages gathered once per version); `state_dict` holds full (unsharded)
-megatron-named weights and AdamW moments, so a checkpoint resumes at any tensor-parallel or
-pipeline size, and refuses to load into the FSDP2 backend (and the reverse).
+slices and pipeline stages gathered once per version). Checkpoints are sharded
+(`save_sharded` / `load_sharded`, engines/megatron_checkpoint.py): every rank writes its own slices
+of the weights and AdamW moments, nothing is gathered, and a checkpoint resumes at any
+tensor-parallel, pipeline or data-parallel size; it refuses to load into the FSDP2 backend (and the
+reverse).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_async.config_trainer import MegatronConfig
-from areal_async.engines import logprobs, megatron_layout, megatron_pipeline, varlen
+from areal_async.engines import logprobs, megatron_checkpoint, megatron_layout, megatron_pipeline, varlen
 from areal_async.engines.fsdp_weights import HFWriter
 from areal_async.engines.megatron_layout import MegatronShape
 from areal_async.engines.megatron_model import (
@@ -457,56 +459,11 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
     def merged_hf(self, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
         return self.snapshot_hf(dtype=dtype)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Full megatron-named weights and AdamW moments (rank 0; {} elsewhere), scheduler and version."""
-        weights = self._full_megatron(dict(self.named), on_device=False)
-        state = self.optimizer.state
-        steps = [s["step"] for s in state.values() if "step" in s]  # one count: every parameter steps
-        moments: dict[str, dict[str, Any]] = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            per_param = {n: state[p][key] for n, p in self.named.items() if p in state}
-            for name, full in self._full_megatron(per_param, on_device=False).items():
-                moments.setdefault(name, {"step": steps[0].cpu()})[key] = full
-        groups = [
-            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.state_dict()["param_groups"]
-        ]
-        return {
-            "backend": "megatron",
-            "model": weights,
-            "optimizer": {"state": moments, "param_groups": groups},
-            "scheduler": self.scheduler.state_dict(),
-            "version": self.version,
-            "lora": None,
-        }
+    def save_sharded(self, path: Path) -> dict[str, Any]:
+        """Write this rank's slices of the weights and moments under `path` (megatron_checkpoint);
+        returns the replicated state for the caller to store. Collective."""
+        return megatron_checkpoint.save(self, path)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`'s output at any tensor-parallel size. Collective: every rank passes it."""
-        if state.get("backend") != "megatron":
-            raise ValueError(
-                f"the checkpoint was written by trainer.backend={state.get('backend', 'fsdp2')}, this run uses "
-                "megatron; resume with the checkpoint's backend, or start a new run"
-            )
-        whole = {name: self.names.whole(name) for name in self.named}
-        with torch.no_grad():
-            for name, param in self.named.items():
-                full = state["model"][whole[name]]
-                param.copy_(megatron_layout.tp_shard(whole[name], full, self.tp_rank, self.tp_size))
-        opt_state: dict[int, dict[str, torch.Tensor]] = {}
-        saved_moments = state["optimizer"]["state"]
-        for i, name in enumerate(self.named):
-            saved = saved_moments.get(whole[name])
-            if saved is None:
-                continue  # a parameter that had not stepped yet
-            opt_state[i] = {
-                "step": saved["step"].clone(),
-                **{
-                    k: megatron_layout.tp_shard(whole[name], saved[k], self.tp_rank, self.tp_size).to(
-                        self.device
-                    )
-                    for k in ("exp_avg", "exp_avg_sq")
-                },
-            }
-        groups = [dict(g, params=list(range(len(self.params)))) for g in state["optimizer"]["param_groups"]]
-        self.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.version = int(state["version"])
+    def load_sharded(self, path: Path, state: dict[str, Any]) -> None:
+        """Restore `save_sharded`'s checkpoint at any parallel layout. Collective."""
+        megatron_checkpoint.load(self, path, state)

@@ -226,6 +226,19 @@ def tp_split(name: str) -> bool:
     return name.endswith(_GATED + _COLUMN + _ROW)
 
 
+def tp_dim(name: str) -> int | None:
+    """The dimension the megatron-named tensor is split along across tensor-parallel ranks (None:
+    replicated). A gated weight (`tp_gated`) splits each of its two halves along it."""
+    if name.endswith(_GATED + _COLUMN):
+        return 0
+    return 1 if name.endswith(_ROW) else None
+
+
+def tp_gated(name: str) -> bool:
+    """True for the fused gate/up weight, whose slices hold a part of each half (see `tp_shard`)."""
+    return name.endswith(_GATED)
+
+
 def tp_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Rank `rank`'s part of the megatron-named full tensor `name` under `size`-way tensor parallelism."""
     if size == 1:

@@ -1,7 +1,7 @@
 """Megatron backend on CPU (gloo): megatron-core's GPT model trained by the shared loop agrees with the
 FSDP2 engine on Llama, Qwen2 and Qwen3 models, at tensor_parallel 1 and 2, over 2 and 3 pipeline
-stages and with data parallelism, and its checkpoints resume losslessly at another tensor-parallel or
-pipeline size.
+stages and with data parallelism, and its sharded checkpoints resume losslessly at another
+tensor-parallel, pipeline or data-parallel size.
 
 megatron-core keeps global parallel state and needs a process group, so every Megatron engine runs in
 spawned processes; the FSDP2 reference runs in the test process.
@@ -114,11 +114,13 @@ def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str,
                 load_checkpoint(job["resume_from"], engine=engine)
                 result["resumed"] = engine.train_step(seqs, pg_loss)
                 result["version"] = engine.version
+                result["weights_after"] = engine.snapshot_hf()  # the update used the restored moments
             else:
                 result |= run_engine(engine, seqs)
                 if "checkpoint" in job:
                     save_checkpoint(job["checkpoint"], STEPS, engine=engine, extra={})
                     result["next"] = engine.train_step(seqs, pg_loss)
+                    result["weights_after"] = engine.snapshot_hf()
             torch.save(result, out / f"{job['name']}-rank{rank}.pt")
         dist.barrier()
     finally:
@@ -194,17 +196,35 @@ def test_megatron_matches_fsdp2_on_each_family_and_tensor_parallel_resumes_at_tp
     assert resumed["version"] == STEPS + 1
     for key in ("loss", "grad_norm"):
         assert resumed["resumed"][key] == pytest.approx(tp[0]["next"][key], rel=1e-5, abs=1e-7), key
+    for name, tensor in tp[0]["weights_after"].items():  # the same update: moments and schedule restored
+        torch.testing.assert_close(resumed["weights_after"][name], tensor, atol=1e-6, rtol=0, msg=name)
 
 
 def test_two_data_parallel_ranks_match_one_fsdp2_process(models: dict[str, Path], tmp_path: Path) -> None:
     """tensor_parallel 1 on 2 ranks: each trains on half the batch, gradients are summed across them,
-    and losses, grad norms, logprobs and weights equal one FSDP2 process on the whole batch."""
-    spawn(2, tmp_path, [{"name": "dp2", "model": models["llama"], "tp": 1}])
+    and losses, grad norms, logprobs and weights equal one FSDP2 process on the whole batch. Their
+    sharded checkpoint resumes at tensor_parallel 2, and the next step is the one they computed."""
+    ckpt = tmp_path / "dp2-run"
+    spawn(2, tmp_path, [{"name": "dp2", "model": models["llama"], "tp": 1, "checkpoint": ckpt}])
+    spawn(2, tmp_path, [{"name": "dp2-tp2", "model": models["llama"], "tp": 2, "resume_from": ckpt}])
     _, want = reference(models["llama"])
     for rank in range(2):
         got = torch.load(tmp_path / f"dp2-rank{rank}.pt", weights_only=False)
         assert got["dp_rank"] == rank
         assert_same_run(got, want, slice(rank, None, 2))
+    step = ckpt / "checkpoints" / f"step_{STEPS}"
+    assert (step / "engine" / ".metadata").is_file()  # written by every rank, not gathered
+    replicated = torch.load(step / "engine.pt", weights_only=True)
+    assert "model" not in replicated and replicated["format"] == "sharded"
+    dp2 = torch.load(tmp_path / "dp2-rank0.pt", weights_only=False)
+    for rank in range(2):
+        resumed = torch.load(tmp_path / f"dp2-tp2-rank{rank}.pt", weights_only=False)
+        assert resumed["version"] == STEPS + 1
+        for key in ("loss", "grad_norm"):
+            assert resumed["resumed"][key] == pytest.approx(dp2["next"][key], rel=1e-5, abs=1e-7), key
+    after = torch.load(tmp_path / "dp2-tp2-rank0.pt", weights_only=False)["weights_after"]
+    for name, tensor in dp2["weights_after"].items():  # the same update: moments and schedule restored
+        torch.testing.assert_close(after[name], tensor, atol=1e-6, rtol=0, msg=name)
 
 
 def test_checkpoints_refuse_the_other_backend(models: dict[str, Path], tmp_path: Path) -> None:
