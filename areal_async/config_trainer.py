@@ -136,8 +136,8 @@ class MegatronConfig:
     """Ranks each sequence is split over. Only 1 is supported yet."""
 
     sequence_parallel: bool = False
-    """Split norms and dropout over the tensor-parallel ranks. Not supported yet (needs Transformer
-    Engine's layer norms)."""
+    """Split norms and dropout over the tensor-parallel ranks. Not supported yet (megatron-core's
+    sequence-parallel layers run on CUDA only; docs/design.md section 9.3)."""
 
     def __post_init__(self) -> None:
         positive(self, "tensor_parallel", "pipeline_parallel", "context_parallel")
@@ -153,7 +153,7 @@ class MegatronConfig:
         if bad:
             raise ValueError(
                 f"trainer.megatron: {', '.join(bad)} is not supported yet (the backend does not drive "
-                "Transformer Engine's sequence/context-parallel layers); use tensor_parallel and "
+                "megatron-core's sequence- or context-parallel layers); use tensor_parallel and "
                 "pipeline_parallel with data parallelism (trainer.num_ranks), or trainer.backend: fsdp2"
             )
 
