@@ -115,10 +115,15 @@ def save(engine: MegatronTrainEngine, path: Path) -> dict[str, Any]:
 
 def load(engine: MegatronTrainEngine, path: Path, state: dict[str, Any]) -> None:
     """Restore what `save` wrote (at any parallel layout) and its replicated `state`. Collective."""
-    if state.get("backend") != "megatron" or state.get("format") != "sharded" or not path.is_dir():
+    if state.get("backend") != "megatron":
         raise ValueError(
             f"the checkpoint was written by trainer.backend={state.get('backend', 'fsdp2')}, this run uses "
             "megatron; resume with the checkpoint's backend, or start a new run"
+        )
+    if state.get("format") != "sharded" or not path.is_dir():
+        raise ValueError(
+            f"{path.parent} is not a sharded Megatron checkpoint (no {path.name}/ directory of slices): it was "
+            "written by an earlier areal-async with full tensors; resume it with that version, or start a new run"
         )
     layout = _Layout(engine)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata

@@ -3,6 +3,7 @@ tensor-parallel slices, and the errors for models or splits the backend cannot b
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -148,3 +149,12 @@ def test_megatron_config_errors_name_the_key_and_the_fix() -> None:
     TrainerConfig(
         backend="fsdp2", num_ranks=3, megatron=MegatronConfig(tensor_parallel=2)
     )  # ignored by fsdp2
+
+
+def test_a_checkpoint_the_megatron_backend_cannot_read_is_refused_by_name(tmp_path: Path) -> None:
+    from areal_async.engines import megatron_checkpoint
+
+    with pytest.raises(ValueError, match="written by trainer.backend=fsdp2, this run uses megatron"):
+        megatron_checkpoint.load(None, tmp_path / "engine", {"model": {}})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a sharded Megatron checkpoint.*earlier areal-async"):
+        megatron_checkpoint.load(None, tmp_path / "engine", {"backend": "megatron", "model": {}})  # type: ignore[arg-type]
