@@ -15,8 +15,7 @@ FAKE_SMI = """#!/bin/sh
 # Two GPUs: index 0 at 80%, index 1 at 40%; a line nvidia-smi prints for an unsupported field.
 echo "[N/A], [N/A], [N/A]"
 while true; do
-  echo "0, 80, 1000"
-  echo "1, 40, 3000"
+  printf "0, 80, 1000\n1, 40, 3000\n"   # one write: a stop never falls between the two GPUs' lines
   sleep 0.05
 done
 """
