@@ -114,13 +114,20 @@ def placement(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return lines
 
 
-def log_seconds(run_dir: Path, event: str, key: str, versions: set[int]) -> list[float]:
-    """``key`` of every ``event`` line, for ``versions``, in the run's per-worker JSON logs."""
-    out = []
+HANDOFF = {"served_s": ("weights served", "total_s"), "engine_load_s": ("weights loaded", "seconds")}
+"""Row key -> (log event, its field): published -> every engine serving, and the engine's own load."""
+
+
+def handoff_seconds(run_dir: Path, versions: set[int]) -> dict[str, list[float]]:
+    """The ``HANDOFF`` figures of ``versions`` from the run's per-worker JSON logs (read once)."""
+    out: dict[str, list[float]] = {k: [] for k in HANDOFF}
     for path in sorted((run_dir / "logs").glob("*.jsonl")):
         for line in read_jsonl(path):
-            if line.get("event") == event and line.get("policy_version") in versions and key in line:
-                out.append(float(line[key]))
+            if line.get("policy_version") not in versions:
+                continue
+            for key, (event, field) in HANDOFF.items():
+                if line.get("event") == event and field in line:
+                    out[key].append(float(line[field]))
     return out
 
 
@@ -156,7 +163,7 @@ def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> 
     tokens = sum(s.get("loss_tokens", 0.0) for s in steps)
     step_s = sum(s["step_s"] for s in steps)
     reached = [e["time"] - started for e in evals if e["eval/accuracy"] >= args.target]
-    versions = {int(s["policy_version"]) for s in steps}
+    handoff = handoff_seconds(run_dir, {int(s["policy_version"]) for s in steps})
     row.update(
         steps=len(steps),
         trained_tokens_per_s=tokens / span,
@@ -171,9 +178,7 @@ def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> 
         t_train=sum(s["compute_s"] + s["save_s"] for s in steps) / len(steps),
         # The step's phases (means over the measured steps): pi_prox is part of compute.
         **{k: mean([s[k] for s in steps if k in s]) for k in PHASES},
-        # published -> every engine serving, and the engine's own load, per version.
-        served_s=mean(log_seconds(run_dir, "weights served", "total_s", versions)),
-        engine_load_s=mean(log_seconds(run_dir, "weights loaded", "seconds", versions)),
+        **{k: mean(v) for k, v in handoff.items()},
         gpu_busy=gpu.busy(t0, steps[-1]["time"]),
         gpu_peak_mib=gpu.peak_mib(t0, steps[-1]["time"]),
         wall_s=time.time() - started,

@@ -53,7 +53,6 @@ METRICS: dict[str, harness.Direction] = {
     "read_s": "lower",
     "apply_s": "lower",
 }
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def qwen2_sizes(shape: str) -> dict[str, tuple[int, ...]]:
@@ -91,16 +90,16 @@ def qwen2_weights(shape: str, device: str) -> dict[str, torch.Tensor]:
 
 def lora_adapters(shape: str, rank: int, device: str, seed: int) -> dict[str, torch.Tensor]:
     """Random bf16 adapters (peft names) of every linear module of ``shape``."""
-    from areal_async.lora import PEFT_PREFIX
+    from areal_async.lora import DEFAULT_TARGETS, PEFT_PREFIX
 
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, size in qwen2_sizes(shape).items():
-        if name.endswith(".weight") and name.split(".")[-2] in LORA_TARGETS:
+        if name.endswith(".weight") and name.split(".")[-2] in DEFAULT_TARGETS:
             rows, cols = size
             module = PEFT_PREFIX + name.removesuffix(".weight")
-            for part, size in (("A", (rank, cols)), ("B", (rows, rank))):
-                t = torch.randn(*size, generator=g, device=device, dtype=torch.float32) / rank
+            for part, part_size in (("A", (rank, cols)), ("B", (rows, rank))):
+                t = torch.randn(*part_size, generator=g, device=device, dtype=torch.float32) / rank
                 out[f"{module}.lora_{part}.weight"] = t.to(torch.bfloat16)
     return out
 
@@ -200,15 +199,13 @@ def main() -> None:
                     torch.cuda.synchronize()
                     prepares.append(time.perf_counter() - t0)
                     inbox.put(("cuda_ipc", WeightsLoad(policy_version=v, path="", transfer=sender.offer(v))))
-                elif transport == "lora":
+                else:  # what the trainer's writer does
                     path = root / f"v{v}"
-                    rank = args.lora_rank
-                    lora.write_adapter_dir(path, snapshot, lora.LoraConfig(rank=rank, alpha=2.0 * rank))
-                    prepares.append(0.0)
-                    inbox.put((transport, str(path)))
-                else:
-                    path = root / f"v{v}"
-                    write_weights_dir(path, snapshot)  # what the trainer's writer does
+                    if transport == "lora":
+                        spec = lora.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+                        lora.write_adapter_dir(path, snapshot, spec)
+                    else:
+                        write_weights_dir(path, snapshot)
                     prepares.append(0.0)
                     inbox.put((transport, str(path)))
                 done, timings = outbox.get(timeout=300)

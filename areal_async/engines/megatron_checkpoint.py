@@ -36,11 +36,10 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def _pieces(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor, int | None]]:
     """(suffix, part, split dim) of this rank's `tensor` of the megatron-named `name`."""
-    dim = megatron_layout.tp_dim(name)
     if megatron_layout.tp_gated(name):
         gate, up = tensor.chunk(2)
         return [(".gate", gate, 0), (".up", up, 0)]
-    return [("", tensor, dim)]
+    return [("", tensor, megatron_layout.tp_dim(name))]
 
 
 class _Layout:

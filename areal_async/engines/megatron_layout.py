@@ -223,7 +223,7 @@ _GATED = ("linear_fc1.weight",)
 
 def tp_split(name: str) -> bool:
     """True when the megatron-named tensor is split across tensor-parallel ranks (False: replicated)."""
-    return name.endswith(_GATED + _COLUMN + _ROW)
+    return tp_dim(name) is not None
 
 
 def tp_dim(name: str) -> int | None:
