@@ -3,7 +3,6 @@ engine serves, through a trainer restart from a megatron checkpoint."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ from safetensors.torch import load_file
 
 from tests.e2e.test_e2e import kill_mid_run
 from tests.e2e.test_weight_transfer_run import _log
-from tests.helpers.jobs import committed_steps
+from tests.helpers.jobs import steps_clear_of_lost_versions
 
 pytest.importorskip("megatron.core")
 
@@ -43,16 +42,16 @@ def test_megatron_run_serves_every_version_through_a_trainer_restart(
         weight_sync__transport="gloo",
         weight_sync__transfer_timeout_s=10,
     )
-    retrained = {n for n, count in Counter(ev.step for ev in steps).items() if count > 1}
+    # Groups sampled by a version the killed trainer published after its checkpoint (a lost
+    # future) are off-policy by design and the behaviour weight corrects them: not this check's.
+    clear, lost = steps_clear_of_lost_versions(steps)
     checked = 0
-    for ev in committed_steps(steps).values():
-        if set(ev.head_versions) & retrained:
-            continue  # sampled by a version the killed trainer published after its checkpoint
+    for ev in clear:
         m = ev.metrics
         assert abs(m["behave_weight_mean"] - 1.0) < TOLERANCE, (ev.step, m)
         assert m["behave_weight_max"] < 1.0 + 5 * TOLERANCE, (ev.step, m)
         checked += 1
-    assert retrained and checked >= 6, (retrained, checked)
+    assert lost and checked >= 5, (lost, checked)
     logs = "".join(p.read_text() for p in (res.run_dir / "logs").glob("trainer*"))
     assert "megatron train engine ready" in logs
     loads = [r for r in _log(res.run_dir, "generation", "weights loaded") if "via" in r]

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,3 +170,17 @@ def committed_steps(steps: list[TrainerStep]) -> dict[int, TrainerStep]:
             del final[lost]
         final[ev.step] = ev
     return final
+
+
+def steps_clear_of_lost_versions(steps: list[TrainerStep]) -> tuple[list[TrainerStep], set[int]]:
+    """The committed steps of a max_staleness 0 run whose groups hold no token of a lost version, and
+    the lost versions: those a killed trainer published after its checkpoint, trained again under the
+    same numbers. A group trained at step h + 1 started under version h and, interrupted by a newer
+    version, may have finished under h + 1, so a step is clear when neither h nor h + 1 was lost."""
+    lost = {n for n, count in Counter(ev.step for ev in steps).items() if count > 1}
+    clear = [
+        ev
+        for ev in committed_steps(steps).values()
+        if not any({h, h + 1} & lost for h in ev.head_versions)
+    ]
+    return clear, lost
