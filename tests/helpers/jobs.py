@@ -179,8 +179,6 @@ def steps_clear_of_lost_versions(steps: list[TrainerStep]) -> tuple[list[Trainer
     version, may have finished under h + 1, so a step is clear when neither h nor h + 1 was lost."""
     lost = {n for n, count in Counter(ev.step for ev in steps).items() if count > 1}
     clear = [
-        ev
-        for ev in committed_steps(steps).values()
-        if not any({h, h + 1} & lost for h in ev.head_versions)
+        ev for ev in committed_steps(steps).values() if not any({h, h + 1} & lost for h in ev.head_versions)
     ]
     return clear, lost
