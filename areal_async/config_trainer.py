@@ -133,7 +133,9 @@ class MegatronConfig:
     trainer's ranks. Stages pass hidden states point to point (engines/megatron_pipeline.py)."""
 
     context_parallel: int = 1
-    """Ranks each sequence is split over. Only 1 is supported yet."""
+    """Ranks each packed row is split over (engines/megatron_context.py): each holds 1/C of its tokens
+    and attends to the others' keys and values. The product tensor_parallel x pipeline_parallel x
+    context_parallel must divide the trainer's ranks."""
 
     sequence_parallel: bool = False
     """Split norms and dropout over the tensor-parallel ranks. Not supported yet (megatron-core's
@@ -145,16 +147,11 @@ class MegatronConfig:
             raise ValueError(
                 "trainer.megatron.sequence_parallel needs tensor_parallel > 1; set sequence_parallel: false"
             )
-        unsupported = {
-            f"context_parallel={self.context_parallel}": self.context_parallel > 1,
-            "sequence_parallel=true": self.sequence_parallel,
-        }
-        bad = [key for key, used in unsupported.items() if used]
-        if bad:
+        if self.sequence_parallel:
             raise ValueError(
-                f"trainer.megatron: {', '.join(bad)} is not supported yet (the backend does not drive "
-                "megatron-core's sequence- or context-parallel layers); use tensor_parallel and "
-                "pipeline_parallel with data parallelism (trainer.num_ranks), or trainer.backend: fsdp2"
+                "trainer.megatron: sequence_parallel=true is not supported yet (megatron-core's "
+                "sequence-parallel layers run on CUDA only); use context_parallel to split long rows, "
+                "or set sequence_parallel: false"
             )
 
 

@@ -9,16 +9,17 @@ so micro-batches are always packed rows (THD) and no compute is spent on padding
 The HF weights load through `megatron_layout` (name and layout mapping, tensor-parallel shards).
 
 Process model. megatron-core's `parallel_state` splits the trainer's ranks into tensor-parallel
-groups of `tensor_parallel` ranks, pipelines of `pipeline_parallel` stages
-(`engines/megatron_pipeline.py`: stages, schedule, stage-local names) and data-parallel groups
-across them. Ranks of a tensor-parallel group or a pipeline get the same shard of the batch
-(`dp_rank`); the learner scatters over `dp_size`. Under torchrun the process group is the trainer's (gloo on CPU, NCCL on CUDA);
-without torchrun the engine creates a one-rank group, because megatron-core needs one.
-Gradients are summed over the data-parallel group (and the q/k norms' over the tensor-parallel
-group, whose ranks each hold other heads), then clipped by the norm over all shards (each
-tensor-parallel slice and pipeline stage counted once). `MegatronConfig` (`trainer.megatron`)
-refuses context and sequence parallelism: they need Transformer Engine's layers, which this
-backend does not drive.
+groups of `tensor_parallel` ranks, context-parallel groups of `context_parallel` ranks
+(`engines/megatron_context.py`: each holds a part of every packed row), pipelines of
+`pipeline_parallel` stages (`engines/megatron_pipeline.py`: stages, schedule, stage-local names)
+and data-parallel groups across them. Ranks of a tensor-parallel or context-parallel group or of a
+pipeline get the same shard of the batch (`dp_rank`); the learner scatters over `dp_size`. Under
+torchrun the process group is the trainer's (gloo on CPU, NCCL on CUDA); without torchrun the
+engine creates a one-rank group, because megatron-core needs one. Gradients are summed over the
+data-parallel x context-parallel ranks (and the q/k norms' over the tensor-parallel group, whose
+ranks each hold other heads), then clipped by the norm over all shards (each tensor-parallel slice
+and pipeline stage counted once). `MegatronConfig` (`trainer.megatron`) refuses sequence
+parallelism: megatron-core's sequence-parallel layers run on CUDA only (docs/design.md 9.3).
 
 Numerics as FSDP2's: float32 master weights and optimizer state, bf16 autocast with `dtype` bfloat16
 or auto, on CUDA; on CPU the backend trains in float32 (`auto` resolves to it), because megatron-core's
@@ -118,24 +119,30 @@ def _sum_over(grads: list[torch.Tensor], group: Any) -> None:
         g.copy_(part.view_as(g))
 
 
-def _init_parallel(tensor_parallel: int, pipeline_parallel: int, world_size: int) -> None:
+def _init_parallel(
+    tensor_parallel: int, pipeline_parallel: int, context_parallel: int, world_size: int
+) -> None:
     from megatron.core import parallel_state
 
-    if world_size % (tensor_parallel * pipeline_parallel):
+    sizes = (tensor_parallel, pipeline_parallel, context_parallel)
+    if world_size % (tensor_parallel * pipeline_parallel * context_parallel):
         raise ValueError(
-            f"trainer.megatron.tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} "
-            f"does not divide the trainer's {world_size} ranks (trainer.num_ranks x nodes); choose sizes "
-            "whose product divides it"
+            f"trainer.megatron.tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} x "
+            f"context_parallel={context_parallel} does not divide the trainer's {world_size} ranks "
+            "(trainer.num_ranks x nodes); choose sizes whose product divides it"
         )
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
-        ) != (tensor_parallel, pipeline_parallel):
+            parallel_state.get_context_parallel_world_size(),
+        ) != sizes:
             raise ValueError("megatron-core's parallel state was set up with other parallel sizes")
         return
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
     )
 
 
@@ -198,7 +205,9 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
 
         self.distributed = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        _init_parallel(tensor_parallel, parallel.pipeline_parallel, self.world_size)
+        _init_parallel(
+            tensor_parallel, parallel.pipeline_parallel, parallel.context_parallel, self.world_size
+        )
         self.stages = Stages.current()
         self.names = StageNames(self.stages, self.shape.num_layers, tied=self.shape.tied)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -207,6 +216,10 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.grad_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        """Ranks whose gradients are summed: data-parallel x context-parallel."""
         if device == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -246,6 +259,8 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             chunk_tokens=logprob_chunk_tokens,
             logprob_fn=logprob_fn,
             attention_kernel=self.attention_kernel,
+            context_group=parallel_state.get_context_parallel_group() if self.cp_size > 1 else None,
+            pad_token_id=self.pad_token_id,
         )
         self.named = {n: p for n, p in gpt.named_parameters() if p.requires_grad}
         """megatron-core names -> this rank's (tensor-parallel slice of the) parameter."""
@@ -269,6 +284,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             params=sum(p.numel() for p in self.params),
             tensor_parallel=self.tp_size,
             pipeline_parallel=self.stages.size,
+            context_parallel=self.cp_size,
             data_parallel=self.dp_size,
             device=str(self.device),
             autocast=str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else None,
@@ -395,15 +411,15 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
     # ------------------------------------------------------------ gradients
 
     def _clip_gradients(self) -> float:
-        """Sum gradients over data-parallel ranks (and a tied embedding's two copies over pipeline
+        """Sum gradients over data-parallel and context-parallel ranks (and a tied embedding's two copies over pipeline
         stages), then the global norm (each slice once) and clip."""
         self._sum_tied_embedding_grads()
         self._sum_head_norm_grads()
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return 0.0
-        if self.dp_size > 1:
-            _sum_over(grads, self.dp_group)
+        if self.dp_size * self.cp_size > 1:
+            _sum_over(grads, self.grad_group)
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         for name, p in self.named.items():
             whole = self.names.whole(name)
@@ -432,7 +448,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
     def _full_megatron(self, tensors: dict[str, torch.Tensor], *, on_device: bool) -> dict[str, torch.Tensor]:
         """Whole copies of per-parameter `tensors` (keyed by this stage's names) under the whole model's
         names, every stage's, on rank 0; others get {}. Collective."""
-        leader = self.tp_rank == 0 and self.dp_rank == 0  # a stage of rank 0's pipeline
+        leader = self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0  # rank 0's pipeline
         mine: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
             if not self.names.exported(name):

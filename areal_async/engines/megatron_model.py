@@ -7,15 +7,17 @@ the model's own rotary embedding, and the token-logprob root module (`engines/me
 embedding of the model (cos/sin computed once per micro-batch from the position ids, so every
 `rope_scaling` the HF model supports is applied exactly as the engines apply it), and attends
 causally within each sequence: the project's Triton kernels or FlashAttention-2 varlen on CUDA
-in 16 bits (`engines/varlen.py`), SDPA per sequence elsewhere. Megatron-core's own RoPE is off
-(`position_embedding_type="none"`); it also needs CUDA.
+in 16 bits (`engines/varlen.py`), SDPA per sequence elsewhere; under context parallelism each rank
+holds a part of the row and attends to the group's gathered keys (`engines/megatron_context.py`).
+Megatron-core's own RoPE is off (`position_embedding_type="none"`); it also needs CUDA.
 
 `MegatronLogprobModel` follows the training loop's model contract (`engines/train_loop.py`):
 embedding -> decoder (with the final norm) -> hidden states of the selected rows -> logprob and
 entropy of their targets, `chunk_tokens` rows at a time. With pipeline stages, `stage_forward` runs
 one stage's part (`engines/megatron_pipeline.py` passes the hidden states between stages). With one tensor-parallel rank the head
 runs the trainer's logprob kernels (`engines/logprobs.py`); with several, each rank holds a slice
-of the vocabulary and `vocab_parallel_logprobs` combines the slices.
+of the vocabulary and `vocab_parallel_logprobs` combines the slices. Under context parallelism
+each rank computes the logprobs of the selected rows in its part and returns the group's, gathered.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from areal_async.engines import attention_triton, logprobs, varlen
+from areal_async.engines.megatron_context import ContextPart, attend, gather_selected
 
 
 def hf_rotary_embedding(hf_config: Any, architecture: str) -> nn.Module:
@@ -52,6 +56,8 @@ class RotaryPackedParams(_PackedSeqParams):  # type: ignore[misc,valid-type]
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     kernel: str = "flash"
+    context: ContextPart | None = None
+    """This rank's part of the row under context parallelism (`engines/megatron_context.py`)."""
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,9 +92,11 @@ class PackedCoreAttention(nn.Module):
         if torch.is_autocast_enabled(device):  # float32 cos/sin promote q and k; attend in 16 bits
             dtype = torch.get_autocast_dtype(device)
             query, key, value = (t.to(dtype) for t in (query, key, value))
-        if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-            attend = attention_triton.varlen_attention if p.kernel == "triton" else varlen.causal_varlen_attn
-            out = attend(query, key, value, p.cu_seqlens_q, p.max_seqlen_q, self.scale)
+        if p.context is not None:
+            out = attend(query, key, value, p.context, self.scale)
+        elif query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+            kernel = attention_triton.varlen_attention if p.kernel == "triton" else varlen.causal_varlen_attn
+            out = kernel(query, key, value, p.cu_seqlens_q, p.max_seqlen_q, self.scale)
         else:
             q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
             out = varlen.sdpa_per_sequence(q, k, v, p.cu_seqlens_q.tolist(), self.scale)
@@ -151,6 +159,8 @@ class MegatronLogprobModel(nn.Module):
         chunk_tokens: int,
         logprob_fn: logprobs.LogprobFn,
         attention_kernel: str,
+        context_group: Any = None,
+        pad_token_id: int = 0,
     ) -> None:
         super().__init__()
         self.gpt = gpt
@@ -160,6 +170,16 @@ class MegatronLogprobModel(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.logprob_fn = logprob_fn
         self.attention_kernel = attention_kernel
+        self.context_group = context_group
+        """The context-parallel group (None: every rank holds whole rows)."""
+        self.context_size = dist.get_world_size(context_group) if context_group is not None else 1
+        self.pad_token_id = pad_token_id
+
+    def stage_tokens(self, tokens: int) -> int:
+        """Rows of a stage's hidden states `[rows, 1, h]` for a packed row of `tokens`."""
+        if self.context_size == 1:
+            return tokens
+        return 2 * -(-tokens // (2 * self.context_size))  # two chunks (engines/megatron_context.py)
 
     def forward(
         self,
@@ -192,6 +212,11 @@ class MegatronLogprobModel(nn.Module):
                 "the Megatron backend trains packed rows only (batching.model_inputs(packed=True))"
             )
         gpt = self.gpt
+        part, targets = None, input_ids
+        if self.context_group is not None:
+            part, input_ids, position_ids, hidden_index, targets = ContextPart.of(
+                self.context_group, input_ids, position_ids, hidden_index, cu_seqlens, self.pad_token_id
+            )
         if gpt.pre_process:
             hidden = gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [t, 1, h]
         elif stage_input is None:
@@ -210,17 +235,21 @@ class MegatronLogprobModel(nn.Module):
             cos=cos[0],
             sin=sin[0],
             kernel=self.attention_kernel,
+            context=part,
         )
         hidden = gpt.decoder(hidden_states=hidden, attention_mask=None, packed_seq_params=params)
         if not gpt.post_process:
             return hidden
-        return logprobs.of_selected(
+        logprobs_N, entropy_N = logprobs.of_selected(
             self.logprob_fn,
             hidden.squeeze(1),
-            input_ids,
+            targets,
             hidden_index,
             self.head,
             self.temperature,
             with_entropy,
             self.chunk_tokens,
         )
+        if part is None:
+            return logprobs_N, entropy_N
+        return gather_selected(logprobs_N, part), gather_selected(entropy_N, part)

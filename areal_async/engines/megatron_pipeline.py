@@ -120,7 +120,7 @@ class P2P:
 
 
 def _hidden_shape(engine: MegatronTrainEngine, inputs: ModelInputs) -> tuple[int, int, int]:
-    return (int(inputs.input_ids.shape[1]), 1, engine.shape.hidden_size)
+    return (engine.model.stage_tokens(int(inputs.input_ids.shape[1])), 1, engine.shape.hidden_size)
 
 
 def _stage(

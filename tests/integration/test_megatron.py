@@ -102,14 +102,24 @@ def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str,
     torch.set_num_threads(1)
     try:
         for job in jobs:
-            megatron = MegatronConfig(tensor_parallel=job["tp"], pipeline_parallel=job.get("pp", 1))
-            # Activation checkpointing and 5-row logprob chunks must not change the numbers.
-            extra = {"gradient_checkpointing": True, "logprob_chunk_tokens": 5} if job["tp"] > 1 else {}
+            megatron = MegatronConfig(
+                tensor_parallel=job["tp"],
+                pipeline_parallel=job.get("pp", 1),
+                context_parallel=job.get("cp", 1),
+            )
+            # Activation checkpointing (which re-runs collectives in backward) and 5-row logprob
+            # chunks must not change the numbers.
+            split = job["tp"] > 1 or job.get("cp", 1) > 1
+            extra = {"gradient_checkpointing": True, "logprob_chunk_tokens": 5} if split else {}
             engine = MegatronTrainEngine(job["model"], megatron=megatron, **OPTIONS, **extra)
             seqs = make_batch()
             if engine.dp_size > 1:
                 seqs = seqs[engine.dp_rank :: engine.dp_size]
-            result: dict[str, Any] = {"dp_rank": engine.dp_rank, "stage": engine.stages.rank}
+            result: dict[str, Any] = {
+                "dp_rank": engine.dp_rank,
+                "stage": engine.stages.rank,
+                "cp_rank": engine.cp_rank,
+            }
             if "resume_from" in job:  # a checkpoint of another tensor-parallel size, then one step
                 load_checkpoint(job["resume_from"], engine=engine)
                 result["resumed"] = engine.train_step(seqs, pg_loss)
@@ -271,3 +281,36 @@ def test_pipeline_stages_match_fsdp2_and_resume_in_one_stage(models: dict[str, P
     llama = torch.load(tmp_path / "pp-llama-rank0.pt", weights_only=False)
     for key in ("loss", "grad_norm"):
         assert resumed["resumed"][key] == pytest.approx(llama["next"][key], rel=1e-5, abs=1e-7), key
+
+
+def test_context_parallel_matches_fsdp2_and_resumes_without_it(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """context_parallel 2: each rank holds half of every packed row (sequences cut between the ranks,
+    whose queries attend to the other rank's keys) and both report the logprobs, losses and grad norms
+    of one FSDP2 process, with activation checkpointing re-running the gathers in backward; rank 0's
+    weights after two steps are FSDP2's. With two pipeline stages as well (4 ranks, the tied Llama)
+    the same holds. The Qwen2 checkpoint resumes in one process and the next step is the one the
+    context-parallel pair computed."""
+    ckpt = tmp_path / "cp2-run"
+    spawn(2, tmp_path, [{"name": "cp2", "model": models["qwen2"], "tp": 1, "cp": 2, "checkpoint": ckpt}])
+    spawn(4, tmp_path, [{"name": "cp2-pp2", "model": models["llama"], "tp": 1, "pp": 2, "cp": 2}])
+    spawn(1, tmp_path, [{"name": "cp-resume", "model": models["qwen2"], "tp": 1, "resume_from": ckpt}])
+
+    _, want = reference(models["qwen2"])
+    pair = [torch.load(tmp_path / f"cp2-rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["cp_rank"] for r in pair] == [0, 1] and [r["dp_rank"] for r in pair] == [0, 0]
+    assert pair[1]["weights"] is None
+    for r in pair:
+        assert_same_run(r, want)
+    resumed = torch.load(tmp_path / "cp-resume-rank0.pt", weights_only=False)
+    for key in ("loss", "grad_norm"):
+        assert resumed["resumed"][key] == pytest.approx(pair[0]["next"][key], rel=1e-5, abs=1e-7), key
+    for name, tensor in pair[0]["weights_after"].items():
+        torch.testing.assert_close(resumed["weights_after"][name], tensor, atol=1e-6, rtol=0, msg=name)
+
+    _, want = reference(models["llama"])
+    ranks = [torch.load(tmp_path / f"cp2-pp2-rank{r}.pt", weights_only=False) for r in range(4)]
+    assert [(r["stage"], r["cp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in ranks[2:]:  # the last stage's pair
+        assert_same_run(r | {"weights": ranks[0]["weights"] if r is ranks[2] else None}, want)

@@ -139,11 +139,13 @@ def test_splits_the_model_cannot_take_name_the_key() -> None:
 def test_megatron_config_errors_name_the_key_and_the_fix() -> None:
     with pytest.raises(ValueError, match="tensor_parallel must be"):
         MegatronConfig(tensor_parallel=0)
-    with pytest.raises(ValueError, match="context_parallel=2 is not supported yet.*pipeline_parallel"):
-        MegatronConfig(context_parallel=2)
-    MegatronConfig(tensor_parallel=2, pipeline_parallel=2)
+    with pytest.raises(ValueError, match="context_parallel must be"):
+        MegatronConfig(context_parallel=0)
+    MegatronConfig(tensor_parallel=2, pipeline_parallel=2, context_parallel=2)
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
         MegatronConfig(sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel=true is not supported yet.*context_parallel"):
+        MegatronConfig(tensor_parallel=2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"tensor_parallel=2 does not divide trainer.num_ranks=3"):
         TrainerConfig(backend="megatron", num_ranks=3, megatron=MegatronConfig(tensor_parallel=2))
     TrainerConfig(

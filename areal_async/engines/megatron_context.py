@@ -1,0 +1,175 @@
+"""Context parallelism of the Megatron backend (`trainer.megatron.context_parallel`): every packed
+micro-batch row is split over the C ranks of a context-parallel group, so each rank's activations
+hold 1/C of its tokens.
+
+Split (`ContextPart.of`). The ranks of a group hold the same data shard and collate the same
+micro-batches. The packed row of N tokens is padded to 2C chunks of equal length (the padding is
+one extra sequence, so no real token attends to it) and rank r keeps chunks r and 2C - 1 - r
+(the zigzag layout): embedding, norms and every linear layer run on those only, and under causal
+attention every rank gets about the same work, since a chunk late in a sequence (many keys) is
+paired with an early one (few).
+
+Attention (`attend`). Each layer's rotated keys and values are all-gathered over the group (in
+backward their gradients are reduce-scattered back to the ranks that own them), and the rank's
+queries attend causally, within their own sequence, to the keys up to their position: SDPA per
+sequence with its causal offset, on every device (no fused kernel takes a query block that
+starts inside a sequence yet).
+
+Logprobs (`gather_selected`). Each rank computes the logprob and entropy of the selected rows
+(`hidden_index`) that fall in its part; they are all-gathered into the micro-batch's whole `[n]`,
+and in backward each rank keeps the gradient of its own part. The loss therefore runs unchanged and
+identically on every rank of the group, as on tensor-parallel ranks, and its sums are counted once
+(the training loop sums over the data-parallel group only); parameter gradients, each rank's share
+of the tokens, are summed over the data-parallel x context-parallel ranks (`engines/megatron.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ContextPart:
+    """This rank's tokens of one padded packed row, and what the group's collectives need."""
+
+    group: Any
+    rank: int
+    size: int
+    chunk: int
+    """Tokens per chunk: the padded row is `2 * size` chunks; rank r holds r and 2 size - 1 - r."""
+    bounds: list[int]
+    """Sequence bounds of the padded row (cu_seqlens as host ints, the padding its own sequence)."""
+    order: torch.Tensor
+    """Gathered selected rows (rank by rank, each in its local order) -> the row's order."""
+    counts: list[int]
+    """Selected rows (`hidden_index`) in each rank's part."""
+
+    def ranges(self, rank: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The two `[start, end)` token ranges of `rank` (default: this rank) in the padded row."""
+        r = self.rank if rank is None else rank
+        c, last = self.chunk, 2 * self.size - 1 - r
+        return (r * c, (r + 1) * c), (last * c, (last + 1) * c)
+
+    @classmethod
+    def of(
+        cls, group: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden_index: torch.Tensor,
+        cu_seqlens: torch.Tensor, pad_token_id: int = 0,
+    ) -> tuple[ContextPart, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Split the packed row `[1, N]`: returns the part, this rank's `input_ids` and
+        `position_ids` `[1, 2 chunk]`, its selected rows (indices into its part) and their targets
+        laid out for `logprobs.of_selected` (entry `i + 1` is local row i's next token)."""
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        n = int(input_ids.shape[1])
+        chunk = -(-n // (2 * size))
+        pad = 2 * size * chunk - n
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        ids, positions = input_ids.flatten(), position_ids.flatten()
+        if pad:
+            ids = torch.cat([ids, ids.new_full((pad,), pad_token_id)])
+            positions = torch.cat([positions, torch.arange(pad, device=positions.device)])
+            bounds.append(n + pad)
+        edges = torch.arange(2 * size + 1, device=hidden_index.device) * chunk
+        cuts = torch.bucketize(edges, hidden_index).tolist()  # selected rows before each chunk edge
+        per_chunk = [hidden_index[cuts[k] : cuts[k + 1]] for k in range(2 * size)]
+        picked = [torch.cat([per_chunk[r], per_chunk[2 * size - 1 - r]]) for r in range(size)]
+        part = cls(
+            group=group,
+            rank=rank,
+            size=size,
+            chunk=chunk,
+            bounds=bounds,
+            order=torch.argsort(torch.cat(picked)),
+            counts=[int(p.shape[0]) for p in picked],
+        )
+        (a, b), (c, d) = part.ranges()
+        local = torch.cat([torch.arange(a, b), torch.arange(c, d)]).to(ids.device)
+        mine = per_chunk[rank] - a
+        mine = torch.cat([mine, per_chunk[2 * size - 1 - rank] - c + chunk])
+        following = ids[(local + 1).clamp(max=ids.shape[0] - 1)]
+        targets = torch.cat([following[:1], following])
+        return part, ids[local][None], positions[local][None], mine, targets
+
+    def gathered_positions(self) -> torch.Tensor:
+        """Where each token of the gathered `[2 chunk * size]` tensor sits in the padded row."""
+        parts = [
+            torch.cat([torch.arange(a, b), torch.arange(c, d)])
+            for (a, b), (c, d) in map(self.ranges, range(self.size))
+        ]
+        return torch.cat(parts)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather `[t, ...]` parts along dim 0 over a group; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = part.new_empty((part.shape[0] * size, *part.shape[1:]))
+        dist.all_gather_into_tensor(out, part.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        size = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, part: ContextPart, scale: float | None
+) -> torch.Tensor:
+    """Causal attention of this rank's queries `[t, heads, d]` to the group's keys and values (this
+    rank's `[t, kv_heads, d]`, gathered), within each sequence; returns `[t, heads, d]`."""
+    d = key.shape[-1]
+    kv = _GatherTokens.apply(torch.cat([key, value], dim=-1), part.group)
+    row = torch.empty_like(kv).index_copy(0, part.gathered_positions().to(kv.device), kv)  # row order
+    keys, values = row[..., :d], row[..., d:]
+    gqa = key.shape[1] != query.shape[1]
+    outs, offset = [], 0
+    for lo, hi in part.ranges():
+        for a, b in zip(part.bounds[:-1], part.bounds[1:], strict=True):
+            q0, q1 = max(a, lo), min(b, hi)
+            if q0 >= q1:
+                continue
+            q = query[offset + q0 - lo : offset + q1 - lo].transpose(0, 1)[None]
+            k, v = (t[a:q1].transpose(0, 1)[None] for t in (keys, values))
+            own = torch.arange(q0 - a, q1 - a, device=query.device)[:, None]
+            mask = torch.arange(q1 - a, device=query.device)[None, :] <= own  # key position <= query's
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa))
+        offset += hi - lo
+    return torch.cat(outs, dim=2)[0].transpose(0, 1)
+
+
+class _GatherSelected(torch.autograd.Function):
+    """The `[n_r]` values of every rank, concatenated in rank order; backward keeps this rank's part
+    of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, part: ContextPart) -> torch.Tensor:
+        ctx.part = part
+        width = max(part.counts)
+        padded = values.new_zeros(width)
+        padded[: values.shape[0]] = values
+        out = values.new_empty(width * part.size)
+        dist.all_gather_into_tensor(out, padded, group=part.group)
+        return torch.cat([out[r * width : r * width + c] for r, c in enumerate(part.counts)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        part = ctx.part
+        first = sum(part.counts[: part.rank])
+        return grad[first : first + part.counts[part.rank]], None
+
+
+def gather_selected(values: torch.Tensor, part: ContextPart) -> torch.Tensor:
+    """The whole micro-batch's `[n]` from each rank's selected rows (see the module docstring)."""
+    if max(part.counts) == 0:
+        return values  # nothing selected anywhere: every rank has the same empty tensor
+    return _GatherSelected.apply(values, part).index_select(0, part.order.to(values.device))
