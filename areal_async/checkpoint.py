@@ -5,11 +5,11 @@ Layout under the run directory `root`:
     checkpoints/
       latest            "step_<N>", replaced atomically after the step directory is committed
       step_<N>/
-        engine.pt       full (unsharded) model + optimizer + scheduler state and policy version; for an
-                        engine with `save_sharded` (Megatron) only its replicated part (schedule,
-                        optimizer step and hyperparameters, version), beside
-        engine/         that engine's sharded weights and optimizer moments (torch.distributed.checkpoint:
-                        every rank writes its own slices)
+        engine.pt       the engine's replicated state (schedule, optimizer hyperparameters, policy
+                        version), beside
+        engine/         its sharded weights and optimizer state (torch.distributed.checkpoint: every
+                        rank writes its own shards; both backends). An engine without
+                        `save_sharded` stores everything, unsharded, in engine.pt.
         rng.pt          python / numpy / torch (and CUDA) RNG state of every rank
         extra.json      the caller's `extra` (dataset position, ids of trained tasks, ...)
         meta.json       step, policy_version, world_size, saved_at

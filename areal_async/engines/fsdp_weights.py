@@ -7,25 +7,31 @@ and out; the engine sets up the state they use (`model`, `optimizer`, `scheduler
 Weights out. `save_hf(dir)` writes a Hugging Face directory (config.json,
 model.safetensors, tokenizer files of `model_path`) atomically and returns the manifest
 `[{name, shape, dtype, sha256}]` (sha256 of each tensor's raw little-endian bytes, as
-stored in the file) on every rank. `state_dict()` / `load_state_dict()` carry model,
-optimizer, scheduler and `version` as full (unsharded) state dicts, so a checkpoint
-loads into any world size.
+stored in the file) on every rank.
+
+Checkpoints. `save_sharded(dir)` has every rank write its own shards of the model and optimizer
+state with torch.distributed.checkpoint (nothing is gathered, so no rank holds the whole model)
+and returns the small replicated rest (scheduler, `version`, `lora`); `load_sharded` reads them
+back at any world size. `state_dict()` / `load_state_dict()` carry the same as full (unsharded)
+state dicts on rank 0; `load_sharded` still reads such checkpoints of earlier versions.
 
 LoRA. With `lora` (areal_async/lora.py) peft adapters wrap the target modules, the rest is
 frozen in the training dtype and only the adapters have optimizer state. A version is then the
 adapters alone: `snapshot_hf` returns them and `write_hf`/`save_hf` write an adapter directory;
-`merged_hf` gives the full weights with the adapters merged in; `state_dict` carries only the
-adapters of the model (the base is `model_path`) and refuses to load into a different `lora`.
+`merged_hf` gives the full weights with the adapters merged in; checkpoints carry only the
+adapters of the model (the base is `model_path`) and refuse to load into a different `lora`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +209,67 @@ class FSDPWeights(HFWriter):
             set_optimizer_state_dict,
         )
 
+        self._check_resumable(state)
+        options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+
+    def save_sharded(self, path: Path) -> dict[str, Any]:
+        """Write this rank's shards of the model and optimizer state under `path`
+        (torch.distributed.checkpoint, nothing gathered); returns the replicated state (scheduler,
+        version, `lora`) for the caller to store. Collective."""
+        import torch.distributed.checkpoint as dcp
+
+        model, optimizer = self._sharded_state()
+        with _one_process_is_intended():
+            dcp.save(
+                {"model": model, "optimizer": optimizer},
+                checkpoint_id=str(path),
+                no_dist=not self.distributed,
+            )
+        return {
+            "backend": "fsdp2",
+            "format": "sharded",
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "lora": dataclasses.asdict(self.lora) if self.lora else None,
+        }
+
+    def load_sharded(self, path: Path, state: Mapping[str, Any]) -> None:
+        """Restore `save_sharded`'s checkpoint at any world size (DCP reads each rank's part of
+        the stored shards), or a full `state_dict()` checkpoint of an earlier version. Collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if state.get("format") != "sharded":
+            self.load_state_dict(state)
+            return
+        self._check_resumable(state)
+        model, optimizer = self._sharded_state()
+        loaded = {"model": model, "optimizer": optimizer}
+        with _one_process_is_intended():
+            dcp.load(loaded, checkpoint_id=str(path), no_dist=not self.distributed)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=loaded["model"],
+            optim_state_dict=loaded["optimizer"],
+            options=StateDictOptions(strict=self.lora is None),
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+
+    def _sharded_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's model and optimizer state dicts (DTensor shards; with LoRA only the adapters)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(ignore_frozen_params=self.lora is not None)
+        return get_state_dict(self.model, self.optimizer, options=options)
+
+    def _check_resumable(self, state: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint of the other backend or of another `trainer.lora`, by name."""
         if state.get("backend", "fsdp2") != "fsdp2":
             raise ValueError(
                 f"the checkpoint was written by trainer.backend={state['backend']}, this run uses fsdp2; "
@@ -215,8 +282,11 @@ class FSDPWeights(HFWriter):
                 f"the checkpoint was trained with trainer.lora {saved}, this run has {ours}; resume with "
                 "the checkpoint's trainer.lora, or start a new run"
             )
-        options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
-        set_model_state_dict(self.model, state["model"], options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.version = int(state["version"])
+
+
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """Silence DCP's warning that it assumes one process without a process group (it is so meant)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

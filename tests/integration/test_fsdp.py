@@ -123,8 +123,9 @@ def test_two_fsdp_ranks_match_one_process(tied_model: Path, tmp_path: Path) -> N
     """Each of 2 gloo ranks trains on half the batch: losses, grad norms and updated weights equal the 1-process run.
 
     The same run checks that pi_prox logprobs agree, that save_hf from sharded weights
-    exports every tensor with a correct sha256, and that a checkpoint saved sharded loads
-    into fresh sharded engines that then step identically.
+    exports every tensor with a correct sha256, and that a checkpoint, written by each rank as its
+    own shards, loads into fresh sharded engines that then step identically, and into one process
+    whose next step on the whole batch is the one the two ranks computed.
     """
     mp.spawn(_rank_main, args=(tied_model, tmp_path, free_port()), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
@@ -171,6 +172,13 @@ def test_two_fsdp_ranks_match_one_process(tied_model: Path, tmp_path: Path) -> N
         for entry in manifest:
             assert tensor_sha256(f.get_tensor(entry["name"])) == entry["sha256"]
     assert "lm_head.weight" not in {e["name"] for e in manifest}  # tied to the embedding
+
+    step = tmp_path / "run" / "checkpoints" / f"step_{STEPS}"
+    assert len(list((step / "engine").glob("*.distcp"))) == WORLD  # each rank wrote its shards
+    assert "model" not in torch.load(step / "engine.pt", weights_only=True)
+    alone = make_engine(tied_model, seed=5)
+    assert load_checkpoint(tmp_path / "run", engine=alone) == {"world": WORLD}
+    assert alone.train_step(batch, pg_loss)["loss"] == pytest.approx(ranks[0]["resume_loss"][0], rel=1e-5)
 
     for r in ranks:
         assert r["extra"] == {"world": WORLD}

@@ -3,7 +3,6 @@ them losslessly, and the local engine serves exactly the adapter each version ho
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import socket
@@ -13,9 +12,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from areal_async import lora
+from areal_async.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.engines.base import GenerationRequest, SamplingParams
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine, init_distributed
@@ -78,10 +79,12 @@ def test_a_version_is_an_adapter_directory_and_a_checkpoint_resumes_losslessly(
     assert adapter.scale == SPEC.scale and adapter.base_model == str(untied)
 
     # Checkpoint: adapters and their optimizer state only; a fresh engine continues identically.
-    state = copy.deepcopy(engine.state_dict())  # as a checkpoint file would: no aliasing
-    assert state["model"] and all(lora.is_adapter_name(n) for n in state["model"])
+    save_checkpoint(tmp_path / "run", 1, engine=engine, extra={})
+    stored = dcp.FileSystemReader(str(tmp_path / "run" / "checkpoints" / "step_1" / "engine")).read_metadata()
+    names = [k.removeprefix("model.") for k in stored.state_dict_metadata if k.startswith("model.")]
+    assert names and all(lora.is_adapter_name(n) for n in names), names
     resumed = make_engine(untied, seed=7)  # other random A: the checkpoint must overwrite it
-    resumed.load_state_dict(state)
+    load_checkpoint(tmp_path / "run", engine=resumed)
     a, b = engine.train_step(batch(1), pg_loss), resumed.train_step(batch(1), pg_loss)
     assert a["loss"] == pytest.approx(b["loss"], abs=0), (a, b)
     ours = dict(engine.model.named_parameters())
@@ -89,9 +92,9 @@ def test_a_version_is_an_adapter_directory_and_a_checkpoint_resumes_losslessly(
         assert torch.equal(param, ours[name]), name
 
     with pytest.raises(ValueError, match="trainer.lora"):
-        make_engine(untied, lora=dataclasses.replace(SPEC, rank=8)).load_state_dict(state)
+        load_checkpoint(tmp_path / "run", engine=make_engine(untied, lora=dataclasses.replace(SPEC, rank=8)))
     with pytest.raises(ValueError, match="trainer.lora"):
-        make_engine(untied, lora=None).load_state_dict(state)
+        load_checkpoint(tmp_path / "run", engine=make_engine(untied, lora=None))
 
 
 def test_merged_weights_give_the_trainer_s_logprobs(untied: Path) -> None:

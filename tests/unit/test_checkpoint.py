@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,25 @@ def test_resume_makes_the_next_step_bit_identical(model_dir: Path, tmp_path: Pat
         assert torch.equal(expected[name], actual[name]), name
 
 
+def test_a_full_checkpoint_of_an_earlier_version_still_resumes(model_dir: Path, tmp_path: Path) -> None:
+    """Checkpoints written before sharding held the whole state in engine.pt; they still load."""
+    run = make_engine(model_dir)
+    run.train_step(make_batch(0), pg_loss)
+    step = save_checkpoint(tmp_path, 1, engine=run, extra={})
+    assert (step / "engine" / ".metadata").is_file()
+    shutil.rmtree(step / "engine")
+    torch.save(run.state_dict(), step / "engine.pt")  # the earlier layout
+    metrics = run.train_step(make_batch(1), pg_loss)
+
+    resumed = make_engine(model_dir, seed=123)
+    load_checkpoint(tmp_path, engine=resumed)
+    assert resumed.version == 1
+    assert resumed.train_step(make_batch(1), pg_loss)["loss"] == metrics["loss"]
+    expected, actual = params(run), params(resumed)
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
 def test_a_crash_before_the_rename_leaves_the_previous_checkpoint_latest(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -102,15 +122,13 @@ def test_a_crash_before_the_rename_leaves_the_previous_checkpoint_latest(
     first = save_checkpoint(tmp_path, 1, engine=engine, extra={"at": 1})
     engine.train_step(make_batch(0), pg_loss)
 
-    real_rename = os.rename
-
     def crash(src: os.PathLike[str], dst: os.PathLike[str]) -> None:
         raise OSError("simulated crash before commit")
 
-    monkeypatch.setattr(checkpoint.os, "rename", crash)
-    with pytest.raises(OSError, match="simulated crash"):
-        save_checkpoint(tmp_path, 2, engine=engine, extra={"at": 2})
-    monkeypatch.setattr(checkpoint.os, "rename", real_rename)
+    with monkeypatch.context() as patched:  # the commit's rename of the step directory fails
+        patched.setattr(checkpoint, "replace_dir", crash)
+        with pytest.raises(OSError, match="simulated crash"):
+            save_checkpoint(tmp_path, 2, engine=engine, extra={"at": 2})
 
     assert find_latest(tmp_path) == first
     assert not (tmp_path / "checkpoints" / "step_2").exists()
