@@ -290,11 +290,12 @@ def test_context_parallel_matches_fsdp2_and_resumes_without_it(
     whose queries attend to the other rank's keys) and both report the logprobs, losses and grad norms
     of one FSDP2 process, with activation checkpointing re-running the gathers in backward; rank 0's
     weights after two steps are FSDP2's. With two pipeline stages as well (4 ranks, the tied Llama)
-    the same holds. The Qwen2 checkpoint resumes in one process and the next step is the one the
+    and with two tensor-parallel ranks (4 ranks, Qwen3) the same holds. The Qwen2 checkpoint resumes in one process and the next step is the one the
     context-parallel pair computed."""
     ckpt = tmp_path / "cp2-run"
     spawn(2, tmp_path, [{"name": "cp2", "model": models["qwen2"], "tp": 1, "cp": 2, "checkpoint": ckpt}])
     spawn(4, tmp_path, [{"name": "cp2-pp2", "model": models["llama"], "tp": 1, "pp": 2, "cp": 2}])
+    spawn(4, tmp_path, [{"name": "cp2-tp2", "model": models["qwen3"], "tp": 2, "cp": 2}])
     spawn(1, tmp_path, [{"name": "cp-resume", "model": models["qwen2"], "tp": 1, "resume_from": ckpt}])
 
     _, want = reference(models["qwen2"])
@@ -314,3 +315,9 @@ def test_context_parallel_matches_fsdp2_and_resumes_without_it(
     assert [(r["stage"], r["cp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in ranks[2:]:  # the last stage's pair
         assert_same_run(r | {"weights": ranks[0]["weights"] if r is ranks[2] else None}, want)
+
+    _, want = reference(models["qwen3"])
+    ranks = [torch.load(tmp_path / f"cp2-tp2-rank{r}.pt", weights_only=False) for r in range(4)]
+    assert sorted(r["cp_rank"] for r in ranks) == [0, 0, 1, 1]
+    for r in ranks:
+        assert_same_run(r | {"weights": r["weights"] if r is ranks[0] else None}, want)
