@@ -132,6 +132,12 @@ class MegatronConfig:
     """Pipeline stages (must divide the layers); the product with tensor_parallel must divide the
     trainer's ranks. Stages pass hidden states point to point (engines/megatron_pipeline.py)."""
 
+    virtual_pipeline: int = 1
+    """Model chunks per pipeline stage (interleaved stages, megatron's virtual pipeline): stage s
+    holds layer blocks s, s + P, s + 2P, ... of L / (P x V) layers each, which shrinks the pipeline
+    bubble by V at the cost of V times the point-to-point sends; needs pipeline_parallel > 1, and
+    P x V must divide the layers."""
+
     context_parallel: int = 1
     """Ranks each packed row is split over (engines/megatron_context.py): each holds 1/C of its tokens
     and attends to the others' keys and values. The product tensor_parallel x pipeline_parallel x
@@ -142,7 +148,12 @@ class MegatronConfig:
     sequence-parallel layers run on CUDA only; docs/design.md section 9.3)."""
 
     def __post_init__(self) -> None:
-        positive(self, "tensor_parallel", "pipeline_parallel", "context_parallel")
+        positive(self, "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel")
+        if self.virtual_pipeline > 1 and self.pipeline_parallel == 1:
+            raise ValueError(
+                f"trainer.megatron.virtual_pipeline={self.virtual_pipeline} needs pipeline_parallel > 1 "
+                "(it interleaves the layers over pipeline stages); set virtual_pipeline: 1"
+            )
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError(
                 "trainer.megatron.sequence_parallel needs tensor_parallel > 1; set sequence_parallel: false"

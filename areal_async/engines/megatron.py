@@ -187,7 +187,9 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         parallel = megatron or MegatronConfig()  # checks its values
         tensor_parallel = parallel.tensor_parallel
         self.shape.check_parallel(
-            tensor_parallel=tensor_parallel, pipeline_parallel=parallel.pipeline_parallel
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=parallel.pipeline_parallel,
+            virtual_pipeline=parallel.virtual_pipeline,
         )
 
         if device != "cuda":
@@ -208,7 +210,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         _init_parallel(
             tensor_parallel, parallel.pipeline_parallel, parallel.context_parallel, self.world_size
         )
-        self.stages = Stages.current()
+        self.stages = Stages.current(parallel.virtual_pipeline)
         self.names = StageNames(self.stages, self.shape.num_layers, tied=self.shape.tied)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -244,16 +246,15 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         torch.manual_seed(seed)
         if self.device.type == "cuda":
             mtp.model_parallel_cuda_manual_seed(seed)
-        gpt = self._build_gpt()
-        self._load_hf_weights(gpt)
-        if gradient_checkpointing:
-            for layer in gpt.decoder.layers:
+        chunks = [self._build_gpt(chunk) for chunk in range(self.stages.chunks)]
+        self._load_hf_weights(chunks)
+        for layer in (layer for gpt in chunks for layer in gpt.decoder.layers):
+            if gradient_checkpointing:
                 _recompute_in_backward(layer)
-        if compile:  # in place: parameter names stay megatron-core's
-            for layer in gpt.decoder.layers:
+            if compile:  # in place: parameter names stay megatron-core's
                 layer.compile()
         self.model = MegatronLogprobModel(
-            gpt,
+            chunks,
             hf_rotary_embedding(hf_config, self.shape.architecture).to(self.device),
             temperature=temperature,
             chunk_tokens=logprob_chunk_tokens,
@@ -262,8 +263,13 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             context_group=parallel_state.get_context_parallel_group() if self.cp_size > 1 else None,
             pad_token_id=self.pad_token_id,
         )
-        self.named = {n: p for n, p in gpt.named_parameters() if p.requires_grad}
-        """megatron-core names -> this rank's (tensor-parallel slice of the) parameter."""
+        self.named = {
+            self.names.local(c, n): p
+            for c, gpt in enumerate(chunks)
+            for n, p in gpt.named_parameters()
+            if p.requires_grad
+        }
+        """Local names (`StageNames`) -> this rank's (tensor-parallel slice of the) parameter."""
         self.params = list(self.named.values())
         self.optimizer, self.scheduler = make_optimizer(
             self.params,
@@ -292,7 +298,8 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
 
     # ------------------------------------------------------------------ model
 
-    def _build_gpt(self) -> nn.Module:
+    def _build_gpt(self, chunk: int) -> nn.Module:
+        """Model chunk `chunk` of this stage (the whole stage without interleaving)."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -324,6 +331,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             perform_initialization=False,  # the HF weights are loaded next
             tensor_model_parallel_size=self.tp_size,
             pipeline_model_parallel_size=self.stages.size,
+            virtual_pipeline_model_parallel_size=self.stages.chunks if self.stages.chunks > 1 else None,
             params_dtype=torch.float32,
             pipeline_dtype=torch.float32,
         )
@@ -334,14 +342,15 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             transformer_layer_spec=spec,
             vocab_size=s.vocab_size,
             max_sequence_length=int(getattr(self.config, "max_position_embeddings", 4096)),
-            pre_process=self.stages.first,
-            post_process=self.stages.last,
+            pre_process=self.stages.holds_embedding(chunk),
+            post_process=self.stages.holds_head(chunk),
+            vp_stage=chunk if self.stages.chunks > 1 else None,
             # Over pipeline stages a tied embedding is kept as two equal copies (megatron_pipeline).
             share_embeddings_and_output_weights=s.tied and self.stages.size == 1,
             position_embedding_type="none",  # PackedCoreAttention applies the HF rotary embedding
         )
 
-    def _load_hf_weights(self, gpt: nn.Module) -> None:
+    def _load_hf_weights(self, chunks: list[nn.Module]) -> None:
         from safetensors.torch import load_file
 
         files = sorted(self.model_path.glob("*.safetensors"))
@@ -353,7 +362,11 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         if self.shape.tied:
             hf.pop("lm_head.weight", None)
         full = megatron_layout.to_megatron(hf, self.shape)
-        params = {self.names.whole(n): p for n, p in gpt.named_parameters()}
+        params = {
+            self.names.whole(self.names.local(c, n)): p
+            for c, gpt in enumerate(chunks)
+            for n, p in gpt.named_parameters()
+        }
         missing = sorted(set(params) - set(full))
         if missing:
             raise ValueError(f"{self.model_path} lacks weights for {missing[:4]} (megatron-core names)")
@@ -361,7 +374,8 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             for name, param in params.items():
                 part = megatron_layout.tp_shard(name, full[name], self.tp_rank, self.tp_size)
                 param.copy_(part.to(param.dtype))
-        gpt.to(self.device)
+        for gpt in chunks:
+            gpt.to(self.device)
 
     # ------------------------------------------------------------- pipeline
 
@@ -390,8 +404,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             return
         from megatron.core import parallel_state
 
-        name = megatron_pipeline.EMBEDDING if self.stages.first else megatron_pipeline.OUTPUT
-        param = self.named[name]
+        param = self.named[self.names.embedding if self.stages.first else self.names.output]
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         dist.all_reduce(param.grad, group=parallel_state.get_embedding_group())

@@ -99,7 +99,9 @@ class MegatronShape:
             tied=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
-    def check_parallel(self, *, tensor_parallel: int, pipeline_parallel: int) -> None:
+    def check_parallel(
+        self, *, tensor_parallel: int, pipeline_parallel: int, virtual_pipeline: int = 1
+    ) -> None:
         """Raise ValueError naming the `trainer.megatron` key when the model cannot be split so."""
         tp, pp = tensor_parallel, pipeline_parallel
         divides = {
@@ -118,6 +120,12 @@ class MegatronShape:
             raise ValueError(
                 f"trainer.megatron.pipeline_parallel={pp} does not divide the model's "
                 f"num_hidden_layers={self.num_layers}; choose a pipeline_parallel that divides it"
+            )
+        if self.num_layers % (pp * virtual_pipeline):
+            raise ValueError(
+                f"trainer.megatron.pipeline_parallel={pp} x virtual_pipeline={virtual_pipeline} does not "
+                f"divide the model's num_hidden_layers={self.num_layers}; choose a virtual_pipeline with "
+                "pipeline_parallel x virtual_pipeline dividing it"
             )
 
 

@@ -14,7 +14,8 @@ Megatron-core's own RoPE is off (`position_embedding_type="none"`); it also need
 `MegatronLogprobModel` follows the training loop's model contract (`engines/train_loop.py`):
 embedding -> decoder (with the final norm) -> hidden states of the selected rows -> logprob and
 entropy of their targets, `chunk_tokens` rows at a time. With pipeline stages, `stage_forward` runs
-one stage's part (`engines/megatron_pipeline.py` passes the hidden states between stages). With one tensor-parallel rank the head
+one model chunk of the stage (a stage holds several when stages are interleaved;
+`engines/megatron_pipeline.py` passes the hidden states between them). With one tensor-parallel rank the head
 runs the trainer's logprob kernels (`engines/logprobs.py`); with several, each rank holds a slice
 of the vocabulary and `vocab_parallel_logprobs` combines the slices. Under context parallelism
 each rank computes the logprobs of the selected rows in its part and returns the group's, gathered.
@@ -152,7 +153,7 @@ class MegatronLogprobModel(nn.Module):
 
     def __init__(
         self,
-        gpt: nn.Module,
+        chunks: list[nn.Module],
         rotary: nn.Module,
         *,
         temperature: float,
@@ -163,9 +164,10 @@ class MegatronLogprobModel(nn.Module):
         pad_token_id: int = 0,
     ) -> None:
         super().__init__()
-        self.gpt = gpt
+        self.chunks = nn.ModuleList(chunks)
+        """This stage's GPT model chunks (one unless pipeline stages are interleaved)."""
         self.rotary = rotary
-        self.head = _Head(gpt)
+        self.head = _Head(chunks[-1])
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
         self.logprob_fn = logprob_fn
@@ -203,15 +205,16 @@ class MegatronLogprobModel(nn.Module):
         max_length: int,
         with_entropy: bool,
         stage_input: torch.Tensor | None = None,
+        chunk: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        """This pipeline stage's part: the first stage embeds `input_ids`, a later one starts from
-        `stage_input` (the previous stage's output `[t, 1, h]`); the last stage returns logprobs and
-        entropy, the others their hidden states."""
+        """Model chunk `chunk` of this pipeline stage: the first (chunk 0 of stage 0) embeds
+        `input_ids`, a later one starts from `stage_input` (the previous one's output `[t, 1, h]`);
+        the last returns logprobs and entropy, the others their hidden states."""
         if cu_seqlens is None or input_ids.shape[0] != 1:
             raise ValueError(
                 "the Megatron backend trains packed rows only (batching.model_inputs(packed=True))"
             )
-        gpt = self.gpt
+        gpt = self.chunks[chunk]
         part, targets = None, input_ids
         if self.context_group is not None:
             part, input_ids, position_ids, hidden_index, targets = ContextPart.of(

@@ -254,20 +254,35 @@ def test_bf16_on_cpu_is_refused_before_anything_starts(models: dict[str, Path]) 
 
 
 def test_pipeline_stages_match_fsdp2_and_resume_in_one_stage(models: dict[str, Path], tmp_path: Path) -> None:
-    """pipeline_parallel 2 on the tied Llama (one layer per stage) and 3 on a three-layer untied Qwen2
-    (a middle stage): the last stage's logprobs, every stage's losses and grad norms, and the weights
-    rank 0 gathers from all stages equal FSDP2's (the tied embedding's two copies stay one); the Llama
-    checkpoint resumes in one process and the next step's loss is the one the pipeline computed."""
-    qwen2 = tmp_path / "qwen2-3"
+    """pipeline_parallel 2 on the tied Llama (one layer per stage), 3 on a three-layer untied Qwen2
+    (a middle stage), and 2 stages of two interleaved chunks each on a four-layer tied Llama (layers
+    0 and 2 on the first stage, 1 and 3 on the second; megatron's interleaved schedule): the last
+    stage's logprobs, every stage's losses and grad norms, and the weights rank 0 gathers from all
+    stages equal FSDP2's (the tied embedding's two copies stay one); the two Llama checkpoints
+    resume in one process and the next step's loss is the one the pipeline computed."""
+    qwen2, llama4 = tmp_path / "qwen2-3", tmp_path / "llama-4"
     torch.manual_seed(0)
     Qwen2ForCausalLM(
         Qwen2Config(**{**SHAPE, "num_hidden_layers": 3}, tie_word_embeddings=False)
     ).save_pretrained(qwen2)
-    ckpt = tmp_path / "pp2-run"
+    LlamaForCausalLM(
+        LlamaConfig(**{**SHAPE, "num_hidden_layers": 4}, tie_word_embeddings=True)
+    ).save_pretrained(llama4)
+    ckpt, vckpt = tmp_path / "pp2-run", tmp_path / "vpp-run"
     spawn(2, tmp_path, [{"name": "pp-llama", "model": models["llama"], "tp": 1, "pp": 2, "checkpoint": ckpt}])
+    spawn(
+        2, tmp_path, [{"name": "pp-llama4", "model": llama4, "tp": 1, "pp": 2, "vpp": 2, "checkpoint": vckpt}]
+    )
     spawn(3, tmp_path, [{"name": "pp-qwen2", "model": qwen2, "tp": 1, "pp": 3}])
-    spawn(1, tmp_path, [{"name": "pp-resume", "model": models["llama"], "tp": 1, "resume_from": ckpt}])
-    for name, model, size in (("llama", models["llama"], 2), ("qwen2", qwen2, 3)):
+    spawn(
+        1,
+        tmp_path,
+        [
+            {"name": "pp-resume", "model": models["llama"], "tp": 1, "resume_from": ckpt},
+            {"name": "vpp-resume", "model": llama4, "tp": 1, "resume_from": vckpt},
+        ],
+    )
+    for name, model, size in (("llama", models["llama"], 2), ("qwen2", qwen2, 3), ("llama4", llama4, 2)):
         _, want = reference(model)
         ranks = [torch.load(tmp_path / f"pp-{name}-rank{r}.pt", weights_only=False) for r in range(size)]
         assert [r["stage"] for r in ranks] == list(range(size))
@@ -277,10 +292,11 @@ def test_pipeline_stages_match_fsdp2_and_resume_in_one_stage(models: dict[str, P
         for r in ranks[:-1]:
             assert_same_run(r | {"logprobs": last["logprobs"], "weights": None}, want)
             assert all(not lp.any() for lp in r["logprobs"])  # only the last stage computes logprobs
-    resumed = torch.load(tmp_path / "pp-resume-rank0.pt", weights_only=False)
-    llama = torch.load(tmp_path / "pp-llama-rank0.pt", weights_only=False)
-    for key in ("loss", "grad_norm"):
-        assert resumed["resumed"][key] == pytest.approx(llama["next"][key], rel=1e-5, abs=1e-7), key
+    for resumed_name, run in (("pp-resume", "pp-llama"), ("vpp-resume", "pp-llama4")):
+        resumed = torch.load(tmp_path / f"{resumed_name}-rank0.pt", weights_only=False)
+        pipeline = torch.load(tmp_path / f"{run}-rank0.pt", weights_only=False)
+        for key in ("loss", "grad_norm"):
+            assert resumed["resumed"][key] == pytest.approx(pipeline["next"][key], rel=1e-5, abs=1e-7), key
 
 
 def test_context_parallel_matches_fsdp2_and_resumes_without_it(

@@ -134,6 +134,8 @@ def test_splits_the_model_cannot_take_name_the_key() -> None:
         ValueError, match=r"pipeline_parallel=3 does not divide the model's num_hidden_layers=2"
     ):
         shape.check_parallel(tensor_parallel=1, pipeline_parallel=3)
+    with pytest.raises(ValueError, match=r"pipeline_parallel=2 x virtual_pipeline=2 does not divide.*=2"):
+        shape.check_parallel(tensor_parallel=1, pipeline_parallel=2, virtual_pipeline=2)
 
 
 def test_megatron_config_errors_name_the_key_and_the_fix() -> None:
@@ -141,7 +143,9 @@ def test_megatron_config_errors_name_the_key_and_the_fix() -> None:
         MegatronConfig(tensor_parallel=0)
     with pytest.raises(ValueError, match="context_parallel must be"):
         MegatronConfig(context_parallel=0)
-    MegatronConfig(tensor_parallel=2, pipeline_parallel=2, context_parallel=2)
+    MegatronConfig(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline=2, context_parallel=2)
+    with pytest.raises(ValueError, match="virtual_pipeline=2 needs pipeline_parallel > 1"):
+        MegatronConfig(virtual_pipeline=2)
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
         MegatronConfig(sequence_parallel=True)
     with pytest.raises(ValueError, match="sequence_parallel=true is not supported yet.*context_parallel"):
@@ -160,3 +164,69 @@ def test_a_checkpoint_the_megatron_backend_cannot_read_is_refused_by_name(tmp_pa
         megatron_checkpoint.load(None, tmp_path / "engine", {"model": {}})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a sharded Megatron checkpoint.*earlier areal-async"):
         megatron_checkpoint.load(None, tmp_path / "engine", {"backend": "megatron", "model": {}})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("stages", "chunks", "count"), [(2, 1, 5), (3, 1, 2), (2, 2, 4), (2, 2, 2), (4, 2, 8), (3, 3, 6)]
+)
+def test_pipeline_schedules_run_every_pass_once_and_never_wait_on_each_other(
+    stages: int, chunks: int, count: int
+) -> None:
+    """Every stage's schedule holds each micro-batch's forward and backward of each chunk once, the
+    backward after the forward; played together (sends never block, a pass waits only for its
+    input), the stages finish: no stage waits on a pass another stage has not scheduled yet. With
+    one chunk, stage s holds at most P - s micro-batches' activations (1F1B)."""
+    from areal_async.engines.megatron_pipeline import Stages, schedule
+
+    plans = [schedule(Stages(stages, s, tuple(range(stages)), None, chunks), count) for s in range(stages)]
+    for s, plan in enumerate(plans):
+        passes = [(k, m, c) for k, m, c in plan]
+        want = {(k, m, c) for k in "FB" for m in range(count) for c in range(chunks)}
+        assert sorted(passes) == sorted(want) and len(passes) == len(want)
+        assert all(
+            plan.index(("F", m, c)) < plan.index(("B", m, c)) for m in range(count) for c in range(chunks)
+        )
+        if chunks == 1:
+            live = peak = 0
+            for kind, _, _ in plan:
+                live += 1 if kind == "F" else -1
+                peak = max(peak, live)
+            assert peak <= stages - s
+
+    def needs(s: int, kind: str, m: int, c: int) -> tuple[int, str, int, int] | None:
+        """The pass on another stage whose output this one receives (None: its input is local)."""
+        if kind == "F":
+            if s > 0:
+                return (s - 1, "F", m, c)
+            return (stages - 1, "F", m, c - 1) if c > 0 else None
+        if s < stages - 1:
+            return (s + 1, "B", m, c)
+        return (0, "B", m, c + 1) if c < chunks - 1 else None
+
+    done: set[tuple[int, str, int, int]] = set()
+    at = [0] * stages
+    while any(at[s] < len(plans[s]) for s in range(stages)):
+        moved = False
+        for s in range(stages):
+            while at[s] < len(plans[s]):
+                kind, m, c = plans[s][at[s]]
+                need = needs(s, kind, m, c)
+                if need is not None and need not in done:
+                    break
+                done.add((s, kind, m, c))
+                at[s] += 1
+                moved = True
+        assert moved, f"the stages wait on each other at {at}"
+
+    # Messages between two stages are matched in order (one stream per direction and tag): what
+    # a stage sends is what its neighbour receives, in the same order.
+    for s in range(stages):
+        nxt = (s + 1) % stages
+        sent = [
+            (m, c) for kind, m, c in plans[s] if kind == "F" and not (s == stages - 1 and c == chunks - 1)
+        ]
+        got = [needs(nxt, "F", m, c) for kind, m, c in plans[nxt] if kind == "F"]
+        assert sent == [(m, c) for src, _, m, c in filter(None, got) if src == s], s
+        back = [(m, c) for kind, m, c in plans[nxt] if kind == "B" and not (nxt == 0 and c == 0)]
+        got_back = [needs(s, "B", m, c) for kind, m, c in plans[s] if kind == "B"]
+        assert back == [(m, c) for src, _, m, c in filter(None, got_back) if src == nxt], s
