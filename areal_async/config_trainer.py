@@ -139,7 +139,7 @@ class MegatronConfig:
     P x V must divide the layers."""
 
     context_parallel: int = 1
-    """Ranks each packed row is split over (engines/megatron_context.py): each holds 1/C of its tokens
+    """Ranks each packed row is split over (engines/context_parallel.py): each holds 1/C of its tokens
     and attends to the others' keys and values. The product tensor_parallel x pipeline_parallel x
     context_parallel must divide the trainer's ranks."""
 
@@ -232,8 +232,24 @@ class TrainerConfig:
     """Train LoRA adapters on the frozen base model (``areal_async/lora.py``); None: full fine-tuning.
     Each weights version is then an adapter directory of a few MB."""
 
+    context_parallel: int = 1
+    """fsdp2: ranks each packed row of tokens is split over (``engines/context_parallel.py``), for
+    sequences whose activations do not fit one rank; must divide trainer.num_ranks (a group stays
+    within a node). The megatron backend takes ``trainer.megatron.context_parallel`` instead."""
+
     def __post_init__(self) -> None:
-        positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks")
+        positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks", "context_parallel")
+        if self.num_ranks % self.context_parallel:
+            raise ValueError(
+                f"trainer.context_parallel={self.context_parallel} does not divide "
+                f"trainer.num_ranks={self.num_ranks} (a context-parallel group shares a node); make "
+                "num_ranks a multiple of it"
+            )
+        if self.context_parallel > 1 and self.backend == "megatron":
+            raise ValueError(
+                "trainer.context_parallel is the fsdp2 backend's; with trainer.backend: megatron set "
+                "trainer.megatron.context_parallel instead"
+            )
         non_negative(self, "eval_every")
         if self.backend == "megatron":
             tp = self.megatron.tensor_parallel

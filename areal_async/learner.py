@@ -237,7 +237,9 @@ class Learner:
 
             self.engine = MegatronTrainEngine(model_path, megatron=t.megatron, **common)
         else:
-            self.engine = FSDPTrainEngine(model_path, lora=t.lora, **common)
+            self.engine = FSDPTrainEngine(
+                model_path, lora=t.lora, context_parallel=t.context_parallel, **common
+            )
         self.ref: FSDPTrainEngine | None = None
         if self.loss.kl_coef > 0:
             self.ref = FSDPTrainEngine(
@@ -248,6 +250,7 @@ class Learner:
                 temperature=temperature,
                 logprob_kernel=t.logprob_kernel,
                 attention_kernel=t.attention_kernel,
+                context_parallel=t.context_parallel if t.backend == "fsdp2" else 1,
             )
         self.rank = self.engine.rank
         self.world_size = self.engine.world_size

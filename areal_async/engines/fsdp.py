@@ -7,7 +7,10 @@ over the ranks and gradients are summed (not averaged) across ranks.
 
 Data, loss and model contracts, micro-batching and the optimizer step: `engines/train_loop.py`
 (`TrainLoop`); this module builds the model, shards it and owns its optimizer. Every rank is a
-data-parallel rank here, so `dp_rank`/`dp_size` are the rank and world size.
+data-parallel rank here, so `dp_rank`/`dp_size` are the rank and world size, unless
+`context_parallel` C > 1: then runs of C consecutive ranks share each packed row
+(`engines/context_parallel.py`), get the same shard of the batch (`dp_rank` = rank // C), and
+their gradients are summed with everyone's by FSDP2's reduction over all ranks.
 
 Packing. With `packed` (default: where `varlen.varlen_available`: CUDA, bf16) a micro-batch
 is one row of its sequences back to back, up to `micro_batch_tokens` real tokens; matmuls,
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from areal_async import lora as lora_lib
+from areal_async.engines import context_parallel as context_parallel_lib
 from areal_async.engines import logprobs, varlen
 from areal_async.engines.fsdp_model import TokenLogprobModel
 from areal_async.engines.fsdp_weights import FSDPWeights
@@ -94,6 +98,7 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
         logprob_kernel: Literal["auto", "triton", "torch"] = "auto",
         attention_kernel: Literal["auto", "flash", "triton"] = "auto",
         lora: LoraConfig | None = None,
+        context_parallel: int = 1,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -110,6 +115,17 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.dp_rank, self.dp_size = self.rank, self.world_size
+        context_group = None
+        if context_parallel > 1:
+            if not self.distributed or packed is False:
+                raise ValueError(
+                    f"trainer.context_parallel={context_parallel} splits packed rows over trainer ranks: it "
+                    "needs trainer.num_ranks > 1 (under torchrun) and packed rows"
+                )
+            context_group, self.dp_group, self.dp_rank, self.dp_size = context_parallel_lib.groups(
+                context_parallel
+            )
+            packed = True
         if device == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -160,7 +176,12 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
                 decoder_layers[i] = torch.compile(layer)
         layers = list(decoder_layers)
         self.model = TokenLogprobModel(
-            hf, temperature=temperature, chunk_tokens=logprob_chunk_tokens, logprob_fn=logprob_fn
+            hf,
+            temperature=temperature,
+            chunk_tokens=logprob_chunk_tokens,
+            logprob_fn=logprob_fn,
+            context_group=context_group,
+            pad_token_id=self.pad_token_id,
         )
         if self.distributed:
             from torch.distributed.device_mesh import init_device_mesh
@@ -196,6 +217,7 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
             model=str(self.model_path),
             params=sum(p.numel() for p in self.params),
             world_size=self.world_size,
+            context_parallel=context_parallel,
             device=str(self.device),
             dtype=dtype,
             autocast=str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else None,

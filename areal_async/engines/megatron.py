@@ -10,7 +10,7 @@ The HF weights load through `megatron_layout` (name and layout mapping, tensor-p
 
 Process model. megatron-core's `parallel_state` splits the trainer's ranks into tensor-parallel
 groups of `tensor_parallel` ranks, context-parallel groups of `context_parallel` ranks
-(`engines/megatron_context.py`: each holds a part of every packed row), pipelines of
+(`engines/context_parallel.py`: each holds a part of every packed row), pipelines of
 `pipeline_parallel` stages (`engines/megatron_pipeline.py`: stages, schedule, stage-local names)
 and data-parallel groups across them. Ranks of a tensor-parallel or context-parallel group or of a
 pipeline get the same shard of the batch (`dp_rank`); the learner scatters over `dp_size`. Under

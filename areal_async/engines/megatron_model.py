@@ -8,7 +8,7 @@ embedding of the model (cos/sin computed once per micro-batch from the position 
 `rope_scaling` the HF model supports is applied exactly as the engines apply it), and attends
 causally within each sequence: the project's Triton kernels or FlashAttention-2 varlen on CUDA
 in 16 bits (`engines/varlen.py`), SDPA per sequence elsewhere; under context parallelism each rank
-holds a part of the row and attends to the group's gathered keys (`engines/megatron_context.py`).
+holds a part of the row and attends to the group's gathered keys (`engines/context_parallel.py`).
 Megatron-core's own RoPE is off (`position_embedding_type="none"`); it also needs CUDA.
 
 `MegatronLogprobModel` follows the training loop's model contract (`engines/train_loop.py`):
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from areal_async.engines import attention_triton, logprobs, varlen
-from areal_async.engines.megatron_context import ContextPart, attend, gather_selected
+from areal_async.engines.context_parallel import ContextPart, attend, gather_selected
 
 
 def hf_rotary_embedding(hf_config: Any, architecture: str) -> nn.Module:
@@ -58,7 +58,7 @@ class RotaryPackedParams(_PackedSeqParams):  # type: ignore[misc,valid-type]
     sin: torch.Tensor | None = None
     kernel: str = "flash"
     context: ContextPart | None = None
-    """This rank's part of the row under context parallelism (`engines/megatron_context.py`)."""
+    """This rank's part of the row under context parallelism (`engines/context_parallel.py`)."""
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,7 @@ class MegatronLogprobModel(nn.Module):
         """Rows of a stage's hidden states `[rows, 1, h]` for a packed row of `tokens`."""
         if self.context_size == 1:
             return tokens
-        return 2 * -(-tokens // (2 * self.context_size))  # two chunks (engines/megatron_context.py)
+        return 2 * -(-tokens // (2 * self.context_size))  # two chunks (engines/context_parallel.py)
 
     def forward(
         self,

@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from areal_async.engines import attention_triton, triton_support
+from areal_async.engines import attention_triton, context_parallel, triton_support
 
 AttentionKernel = Literal["flash", "triton"]
 
@@ -125,7 +125,10 @@ def packed_attention_forward(
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (t.to(dtype) for t in (query, key, value))
     q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query, key, value))
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+    part = kwargs.get("context_part")
+    if part is not None:  # this rank's part of the row (engines/context_parallel.py)
+        out_NHD = context_parallel.attend(q_NHD, k_NHD, v_NHD, part, scaling)
+    elif query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         attend = attention_triton.varlen_attention if kernel == "triton" else causal_varlen_attn
         out_NHD = attend(q_NHD, k_NHD, v_NHD, cu_seqlens, kwargs["max_length_q"], scaling)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,3 +47,16 @@ def random_batch(
         )
         for p, c in shapes
     ]
+
+
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """Set the environment torchrun gives rank `rank` of `world` (rendezvous on localhost:`port`)
+    and one torch thread, in a process spawned by a test."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from areal_async.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine, init_distributed
 from areal_async.weights_file import tensor_sha256
-from tests.helpers.fsdp_helpers import random_batch, write_tiny_llama
+from tests.helpers.fsdp_helpers import as_torchrun_rank, random_batch, write_tiny_llama
 
 VOCAB = 64
 WORLD = 2
@@ -80,14 +79,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, model_dir: Path, out_dir: Path, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, WORLD, port)
     assert init_distributed("cpu") == (rank, WORLD)
     try:
         # Gradient checkpointing and 5-row logprob chunks must not change the numbers.

@@ -9,7 +9,6 @@ spawned processes; the FSDP2 reference runs in the test process.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from areal_async.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.config import MegatronConfig
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine
-from tests.helpers.fsdp_helpers import random_batch
+from tests.helpers.fsdp_helpers import as_torchrun_rank, random_batch
 from tests.integration.test_fsdp import free_port, pg_loss
 
 pytest.importorskip("megatron.core")
@@ -92,14 +91,7 @@ def run_engine(engine: Any, seqs: list[TrainSequence]) -> dict[str, Any]:
 def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str, Any]]) -> None:
     from areal_async.engines.megatron import MegatronTrainEngine
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     try:
         for job in jobs:
             megatron = MegatronConfig(

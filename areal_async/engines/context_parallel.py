@@ -1,6 +1,6 @@
-"""Context parallelism of the Megatron backend (`trainer.megatron.context_parallel`): every packed
-micro-batch row is split over the C ranks of a context-parallel group, so each rank's activations
-hold 1/C of its tokens.
+"""Context parallelism of both trainer backends (`trainer.context_parallel` on FSDP2,
+`trainer.megatron.context_parallel` on Megatron): every packed micro-batch row is split over the C
+ranks of a context-parallel group, so each rank's activations hold 1/C of its tokens.
 
 Split (`ContextPart.of`). The ranks of a group hold the same data shard and collate the same
 micro-batches. The packed row of N tokens is padded to 2C chunks of equal length (the padding is
@@ -20,7 +20,12 @@ Logprobs (`gather_selected`). Each rank computes the logprob and entropy of the 
 and in backward each rank keeps the gradient of its own part. The loss therefore runs unchanged and
 identically on every rank of the group, as on tensor-parallel ranks, and its sums are counted once
 (the training loop sums over the data-parallel group only); parameter gradients, each rank's share
-of the tokens, are summed over the data-parallel x context-parallel ranks (`engines/megatron.py`).
+of the tokens, are summed over the data-parallel x context-parallel ranks (FSDP2 reduces over every
+rank; `engines/megatron.py` over its data-parallel x context-parallel group).
+
+`groups(size)` builds the groups for a backend without megatron-core's parallel state: the
+context-parallel groups are runs of `size` consecutive ranks, the data-parallel groups take one
+rank of each.
 """
 
 from __future__ import annotations
@@ -173,3 +178,25 @@ def gather_selected(values: torch.Tensor, part: ContextPart) -> torch.Tensor:
     if max(part.counts) == 0:
         return values  # nothing selected anywhere: every rank has the same empty tensor
     return _GatherSelected.apply(values, part).index_select(0, part.order.to(values.device))
+
+
+def groups(size: int) -> tuple[Any, Any, int, int]:
+    """(this rank's context-parallel group, its data-parallel group, data-parallel rank and size)
+    for context-parallel groups of `size` consecutive ranks. Collective: every rank builds every
+    group, in the same order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(
+            f"trainer.context_parallel={size} does not divide the trainer's {world} ranks "
+            "(trainer.num_ranks x nodes); choose a size that divides it"
+        )
+    context = data = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            context = group
+    for offset in range(size):
+        group = dist.new_group(list(range(offset, world, size)))
+        if rank % size == offset:
+            data = group
+    return context, data, rank // size, world // size
