@@ -38,6 +38,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+def _ranges(rank: int, size: int, chunk: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two `[start, end)` token ranges of `rank` in a padded row of `2 size` chunks."""
+    last = 2 * size - 1 - rank
+    return (rank * chunk, (rank + 1) * chunk), (last * chunk, (last + 1) * chunk)
+
+
+def _tokens(rank: int, size: int, chunk: int) -> torch.Tensor:
+    """The padded row's indices of `rank`'s tokens, in its local order."""
+    (a, b), (c, d) = _ranges(rank, size, chunk)
+    return torch.cat([torch.arange(a, b), torch.arange(c, d)])
+
+
 @dataclass(frozen=True)
 class ContextPart:
     """This rank's tokens of one padded packed row, and what the group's collectives need."""
@@ -53,12 +65,12 @@ class ContextPart:
     """Gathered selected rows (rank by rank, each in its local order) -> the row's order."""
     counts: list[int]
     """Selected rows (`hidden_index`) in each rank's part."""
+    gathered: torch.Tensor
+    """The row's index of each token of a gathered `[2 chunk * size]` tensor (rank by rank)."""
 
-    def ranges(self, rank: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The two `[start, end)` token ranges of `rank` (default: this rank) in the padded row."""
-        r = self.rank if rank is None else rank
-        c, last = self.chunk, 2 * self.size - 1 - r
-        return (r * c, (r + 1) * c), (last * c, (last + 1) * c)
+    def ranges(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's two `[start, end)` token ranges in the padded row."""
+        return _ranges(self.rank, self.size, self.chunk)
 
     @classmethod
     def of(
@@ -90,22 +102,14 @@ class ContextPart:
             bounds=bounds,
             order=torch.argsort(torch.cat(picked)),
             counts=[int(p.shape[0]) for p in picked],
+            gathered=torch.cat([_tokens(r, size, chunk) for r in range(size)]).to(ids.device),
         )
-        (a, b), (c, d) = part.ranges()
-        local = torch.cat([torch.arange(a, b), torch.arange(c, d)]).to(ids.device)
-        mine = per_chunk[rank] - a
-        mine = torch.cat([mine, per_chunk[2 * size - 1 - rank] - c + chunk])
+        (a, _), (c, _) = part.ranges()
+        local = _tokens(rank, size, chunk).to(ids.device)
+        mine = torch.cat([per_chunk[rank] - a, per_chunk[2 * size - 1 - rank] - c + chunk])
         following = ids[(local + 1).clamp(max=ids.shape[0] - 1)]
         targets = torch.cat([following[:1], following])
         return part, ids[local][None], positions[local][None], mine, targets
-
-    def gathered_positions(self) -> torch.Tensor:
-        """Where each token of the gathered `[2 chunk * size]` tensor sits in the padded row."""
-        parts = [
-            torch.cat([torch.arange(a, b), torch.arange(c, d)])
-            for (a, b), (c, d) in map(self.ranges, range(self.size))
-        ]
-        return torch.cat(parts)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -134,7 +138,7 @@ def attend(
     rank's `[t, kv_heads, d]`, gathered), within each sequence; returns `[t, heads, d]`."""
     d = key.shape[-1]
     kv = _GatherTokens.apply(torch.cat([key, value], dim=-1), part.group)
-    row = torch.empty_like(kv).index_copy(0, part.gathered_positions().to(kv.device), kv)  # row order
+    row = torch.empty_like(kv).index_copy(0, part.gathered, kv)  # in the row's order
     keys, values = row[..., :d], row[..., d:]
     gqa = key.shape[1] != query.shape[1]
     outs, offset = [], 0
