@@ -26,6 +26,14 @@ per layer and sequence of length L), as PaLM-style MFU does.
 `--backend fsdp2,megatron` runs each case on both trainer backends (megatron-core's GPT model for
 the second), back to back on the same batch.
 
+Under torchrun every rank runs the case on its data-parallel shard of the batch;
+`--context-parallel C` splits every packed row over runs of C ranks (`engines/context_parallel.py`).
+Times are the slowest rank's, `peak_mem_gb` the largest rank's, MFU per rank; rank 0 prints:
+
+  # CPU, one 2,048-token sequence, per-rank memory with its row split over two ranks
+  torchrun --nproc-per-node 2 -m benchmarks.bench_trainer --model ~/.cache/areal-async/models/smollm2-135m-instruct \
+      --seqs 1 --prompt-len 64 --completion-len 1984 --jitter 0 --packed on --context-parallel 2
+
 Prints a table; `--out FILE` writes the result (benchmarks.harness layout), `--save-baseline` makes
 it the baseline of its hardware.
 """
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import resource
 import statistics
 import tempfile
@@ -44,11 +53,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from areal_async.algo.presets import PRESETS, preset_overrides
-from areal_async.config import LossConfig
+from areal_async.config import LossConfig, MegatronConfig
 from areal_async.engines.batching import TrainSequence, pack_micro_batches, pack_tokens
-from areal_async.engines.fsdp import FSDPTrainEngine, LossFn
+from areal_async.engines.fsdp import FSDPTrainEngine, LossFn, init_distributed
 from areal_async.learner import global_denominator, make_loss_fn
 from areal_async.logs import configure_logging
 from areal_async.lora import LoraConfig
@@ -144,6 +154,15 @@ def peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def largest_over_ranks(value: float) -> float:
+    """`value`'s maximum over the trainer's ranks (itself without a process group)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def bench_one(
     model_dir: Path, label: str, dtype: str, backend: str, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -163,20 +182,24 @@ def bench_one(
     if backend == "megatron":
         from areal_async.engines.megatron import MegatronTrainEngine
 
-        engine = MegatronTrainEngine(model_dir, **common)  # packed rows always
+        parallel = MegatronConfig(context_parallel=args.context_parallel)
+        engine = MegatronTrainEngine(model_dir, megatron=parallel, **common)  # packed rows always
     else:
         engine = FSDPTrainEngine(
             model_dir,
             packed={"auto": None, "on": True, "off": False}[args.packed],
             lora=LoraConfig(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None,
+            context_parallel=args.context_parallel,
             **common,
         )
+    world = dist.get_world_size() if dist.is_initialized() else 1
     params = sum(p.numel() for p in engine.model.parameters())
     trainable = sum(p.numel() for p in engine.params)
     batch = make_batch(
         args.seqs, args.prompt_len, args.completion_len, args.jitter, engine.config.vocab_size, args.seed
     )
-    real = sum(s.length for s in batch)
+    real = sum(s.length for s in batch)  # the whole batch: every rank's shard
+    shard = batch[engine.dp_rank :: engine.dp_size]
     if engine.packed:
         bins, padded = pack_tokens([s.length for s in batch], args.micro_batch_tokens), real
     else:
@@ -193,16 +216,16 @@ def bench_one(
     step_s, prox_s, last_loss = [], [], float("nan")
     for step in range(args.warmup + args.steps):
         if args.prox == "in-step":
-            metrics = engine.train_step(batch, loss_fn, compute_prox=loss.decoupled)
+            metrics = engine.train_step(shard, loss_fn, compute_prox=loss.decoupled)
             prox_seconds = metrics.get("prox_seconds", 0.0)
             update_seconds = metrics["compute_seconds"] - prox_seconds
         else:
             start = time.perf_counter()
-            prox = engine.compute_logprobs(batch)
+            prox = engine.compute_logprobs(shard)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             prox_seconds = time.perf_counter() - start
-            seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(batch, prox, strict=True)]
+            seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(shard, prox, strict=True)]
             metrics = engine.train_step(seqs, loss_fn)
             update_seconds = metrics["compute_seconds"]
         last_loss = metrics["loss"]
@@ -210,11 +233,16 @@ def bench_one(
             step_s.append(update_seconds)
             prox_s.append(prox_seconds)
     if args.profile:
-        profile_step(engine, batch, loss_fn, args)
+        profile_step(engine, shard, loss_fn, args)
     train_s = statistics.median(step_s)
     fwd_s = statistics.median(prox_s)
     row: dict[str, Any] = {
-        "case": f"{label} {dtype}" + (f" lora{args.lora}" if args.lora else "") + f" {backend}",
+        "case": f"{label} {dtype}"
+        + (f" lora{args.lora}" if args.lora else "")
+        + (f" cp{args.context_parallel}" if args.context_parallel > 1 else "")
+        + f" {backend}",
+        "ranks": world,
+        "context_parallel": args.context_parallel,
         "model": label,
         "backend": backend,
         "device": args.device,
@@ -237,7 +265,7 @@ def bench_one(
         "prox_s": round(fwd_s, 4),
         "prox_tok_s": round(real / fwd_s, 1) if fwd_s else None,
         "rl_step_tok_s": round(real / (train_s + fwd_s), 1),
-        "peak_mem_gb": round(peak_memory_gb(args.device), 2),
+        "peak_mem_gb": round(largest_over_ranks(peak_memory_gb(args.device)), 2),
         "loss": last_loss,
     }
     peak = (
@@ -246,6 +274,7 @@ def bench_one(
         else (H200_BF16_DENSE_TFLOPS if args.device == "cuda" else None)
     )
     if peak and not args.lora:  # 6N counts weight gradients, which frozen LoRA bases skip
+        peak *= world  # MFU per rank; params counts the whole model once (its shards on every rank)
         row["train_tflops"] = round(6 * params * real / train_s / 1e12, 2)
         row["mfu"] = round(6 * params * real / train_s / (peak * 1e12), 4)
         row["rl_step_mfu"] = round(8 * params * real / (train_s + fwd_s) / (peak * 1e12), 4)
@@ -305,6 +334,8 @@ TABLE_COLUMNS = (
     "backend",
     "dtype",
     "packed",
+    "ranks",
+    "context_parallel",
     "params",
     "trainable",
     "tokens",
@@ -380,6 +411,13 @@ def main() -> None:
         default="fsdp2",
         help="comma list of trainer backends: fsdp2, megatron (megatron-core; no --lora, rows always packed)",
     )
+    parser.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        metavar="C",
+        help="under torchrun: ranks each packed row is split over (fsdp2 and megatron)",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -397,7 +435,8 @@ def main() -> None:
     unknown = set(args.backend.split(",")) - {"fsdp2", "megatron"}
     if unknown or ("megatron" in args.backend and args.lora):
         parser.error(f"--backend takes fsdp2 and megatron (LoRA on fsdp2 only), got {args.backend!r}")
-    configure_logging(level="info")
+    lead = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs every case
+    configure_logging(level="info" if lead else "warning")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda":
@@ -410,12 +449,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         targets = [(build_random_model(s, Path(tmp) / s), s) for s in shapes]
         targets += [(Path(m).expanduser(), Path(m).name) for m in args.model]
+        if "WORLD_SIZE" in os.environ:  # after the models are written: transformers saves on rank 0 only
+            init_distributed(args.device)
         # fsdp2 first: the megatron engine leaves a process group behind, which FSDP2 would shard over.
         for backend in sorted(set(args.backend.split(",")), key=("fsdp2", "megatron").index):
             for model_dir, label in targets:
                 for dtype in dtypes:
                     rows.append(bench_one(model_dir, label, dtype, backend, args))
-                    harness.print_table(rows[-1:], TABLE_COLUMNS)
+                    if lead:
+                        harness.print_table(rows[-1:], TABLE_COLUMNS)
+    if not lead:
+        return
     print()
     harness.print_table(rows, TABLE_COLUMNS)
     result = harness.make_result(
