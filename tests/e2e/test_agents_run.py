@@ -26,6 +26,8 @@ from tests.helpers.jobs import (
     tiny_config,
 )
 
+LEARN_STEPS = 24
+
 
 def _agent_config(tmp: Path, model: Path, name: str, **extra: object) -> Path:
     sections: dict[str, object] = {
@@ -35,13 +37,23 @@ def _agent_config(tmp: Path, model: Path, name: str, **extra: object) -> Path:
         "agent__max_turns": 2,
         "agent__call_timeout_s": 20.0,
         "trainer__batch_size": 16,
-        "trainer__total_steps": 16,
+        "trainer__total_steps": LEARN_STEPS,
         "trainer__eval_every": 8,
         "dataset__eval_size": 30,
         "checkpoint__every_steps": 4,
     }
     sections.update(extra)
     return tiny_config(tmp, model, name, **sections)
+
+
+def _rise(values: list[float]) -> float:
+    """The least-squares line's rise from the first value's index to the last's."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / sum(
+        (x - mean_x) ** 2 for x in range(n)
+    )
+    return slope * (n - 1)
 
 
 def _check_exactly_once(steps, total_steps: int, batch_size: int) -> None:
@@ -73,14 +85,16 @@ def test_a_multi_turn_run_learns_to_answer_right_the_first_time(
             res.seconds,
         )
     )
-    # 20 held-out prompts are a noisy measure; the training reward over 128 episodes a step is not.
+    # 20 held-out prompts are a noisy measure; the training reward over 128 episodes a step less so,
+    # but a step's mean still varies by ~0.05, so the test fits a line through every step's reward:
+    # its rise over the run was 0.15-0.21 in three runs of 24 steps (the difference of the last four
+    # steps' mean and the first two's, compared before, fell short of 0.08 in two of four runs of 16).
     rewards = [m["reward_mean"] for m in res.metrics()]
-    # The first two steps train on rollouts of the warm-start policy; the last four on the RL policy.
-    early, late = rewards[:2], rewards[-4:]
-    assert sum(late) / len(late) >= sum(early) / len(early) + 0.08, rewards
+    assert len(rewards) == LEARN_STEPS, rewards
+    assert _rise(rewards) >= 0.06, rewards
     assert max(e["eval/episode/first_try"] for e in evals[1:]) > first["eval/episode/first_try"], evals
     steps = read_steps(res.run_dir, "agents")
-    _check_exactly_once(steps, 16, 16)
+    _check_exactly_once(steps, LEARN_STEPS, 16)
     for ev in steps:
         t = ev.policy_version - 1
         assert all(t - 2 <= h <= t for h in ev.head_versions), (ev.step, ev.head_versions)
