@@ -250,7 +250,7 @@ class Learner:
                 temperature=temperature,
                 logprob_kernel=t.logprob_kernel,
                 attention_kernel=t.attention_kernel,
-                context_parallel=t.context_parallel if t.backend == "fsdp2" else 1,
+                context_parallel=t.context_parallel,
             )
         self.rank = self.engine.rank
         self.world_size = self.engine.world_size

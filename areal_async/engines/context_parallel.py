@@ -15,7 +15,7 @@ queries attend causally, within their own sequence, to the keys up to their posi
 sequence with its causal offset, on every device (no fused kernel takes a query block that
 starts inside a sequence yet).
 
-Logprobs (`gather_selected`). Each rank computes the logprob and entropy of the selected rows
+Logprobs (`gather_logprobs`). Each rank computes the logprob and entropy of the selected rows
 (`hidden_index`) that fall in its part; they are all-gathered into the micro-batch's whole `[n]`,
 and in backward each rank keeps the gradient of its own part. The loss therefore runs unchanged and
 identically on every rank of the group, as on tensor-parallel ranks, and its sums are counted once
@@ -36,6 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+
+def local_tokens(tokens: int, size: int) -> int:
+    """Tokens each of `size` ranks holds of a packed row of `tokens`: two chunks of the padded row."""
+    return 2 * -(-tokens // (2 * size))
 
 
 def _ranges(rank: int, size: int, chunk: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -82,7 +87,7 @@ class ContextPart:
         laid out for `logprobs.of_selected` (entry `i + 1` is local row i's next token)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         n = int(input_ids.shape[1])
-        chunk = -(-n // (2 * size))
+        chunk = local_tokens(n, size) // 2
         pad = 2 * size * chunk - n
         bounds = [int(b) for b in cu_seqlens.tolist()]
         ids, positions = input_ids.flatten(), position_ids.flatten()
@@ -157,16 +162,16 @@ def attend(
 
 
 class _GatherSelected(torch.autograd.Function):
-    """The `[n_r]` values of every rank, concatenated in rank order; backward keeps this rank's part
-    of the (replicated) gradient."""
+    """The `[n_r, ...]` values of every rank, concatenated in rank order; backward keeps this rank's
+    part of the (replicated) gradient."""
 
     @staticmethod
     def forward(ctx: Any, values: torch.Tensor, part: ContextPart) -> torch.Tensor:
         ctx.part = part
         width = max(part.counts)
-        padded = values.new_zeros(width)
+        padded = values.new_zeros((width, *values.shape[1:]))
         padded[: values.shape[0]] = values
-        out = values.new_empty(width * part.size)
+        out = values.new_empty((width * part.size, *values.shape[1:]))
         dist.all_gather_into_tensor(out, padded, group=part.group)
         return torch.cat([out[r * width : r * width + c] for r, c in enumerate(part.counts)])
 
@@ -177,11 +182,16 @@ class _GatherSelected(torch.autograd.Function):
         return grad[first : first + part.counts[part.rank]], None
 
 
-def gather_selected(values: torch.Tensor, part: ContextPart) -> torch.Tensor:
-    """The whole micro-batch's `[n]` from each rank's selected rows (see the module docstring)."""
+def gather_logprobs(
+    part: ContextPart, logprobs_N: torch.Tensor, entropy_N: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole micro-batch's `[n]` logprobs (with grad) and entropy (without) from each rank's
+    selected rows, in one collective (see the module docstring)."""
     if max(part.counts) == 0:
-        return values  # nothing selected anywhere: every rank has the same empty tensor
-    return _GatherSelected.apply(values, part).index_select(0, part.order.to(values.device))
+        return logprobs_N, entropy_N  # nothing selected anywhere: every rank has the same empty tensors
+    both = torch.stack([logprobs_N, entropy_N.detach()], dim=1)
+    both = _GatherSelected.apply(both, part).index_select(0, part.order.to(both.device))
+    return both[:, 0], both[:, 1].detach()
 
 
 def groups(size: int) -> tuple[Any, Any, int, int]:
@@ -189,7 +199,7 @@ def groups(size: int) -> tuple[Any, Any, int, int]:
     for context-parallel groups of `size` consecutive ranks. Collective: every rank builds every
     group, in the same order."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if size < 1 or world % size:
+    if world % size:
         raise ValueError(
             f"trainer.context_parallel={size} does not divide the trainer's {world} ranks "
             "(trainer.num_ranks x nodes); choose a size that divides it"

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from areal_async.engines import logprobs
-from areal_async.engines.context_parallel import ContextPart, gather_selected
+from areal_async.engines.context_parallel import ContextPart, gather_logprobs
 
 
 class TokenLogprobModel(nn.Module):
@@ -76,4 +76,4 @@ class TokenLogprobModel(nn.Module):
         )
         if part is None:
             return logprobs_N, entropy_N
-        return gather_selected(logprobs_N, part), gather_selected(entropy_N, part)
+        return gather_logprobs(part, logprobs_N, entropy_N)

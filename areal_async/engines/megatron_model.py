@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from areal_async.engines import attention_triton, logprobs, varlen
-from areal_async.engines.context_parallel import ContextPart, attend, gather_selected
+from areal_async.engines.context_parallel import ContextPart, attend, gather_logprobs, local_tokens
 
 
 def hf_rotary_embedding(hf_config: Any, architecture: str) -> nn.Module:
@@ -179,9 +179,7 @@ class MegatronLogprobModel(nn.Module):
 
     def stage_tokens(self, tokens: int) -> int:
         """Rows of a stage's hidden states `[rows, 1, h]` for a packed row of `tokens`."""
-        if self.context_size == 1:
-            return tokens
-        return 2 * -(-tokens // (2 * self.context_size))  # two chunks (engines/context_parallel.py)
+        return tokens if self.context_size == 1 else local_tokens(tokens, self.context_size)
 
     def forward(
         self,
@@ -255,4 +253,4 @@ class MegatronLogprobModel(nn.Module):
         )
         if part is None:
             return logprobs_N, entropy_N
-        return gather_selected(logprobs_N, part), gather_selected(entropy_N, part)
+        return gather_logprobs(part, logprobs_N, entropy_N)
