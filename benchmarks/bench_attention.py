@@ -12,6 +12,10 @@ lengths drawn from [--min-len, --max-len] until --tokens are filled, for each he
   (torch's own `varlen_attn` keeps this path switched off)
 - `triton_varlen`: this project's Triton kernels (`engines/attention_triton.py`), grouped K/V in
   place; `--sweep` also times each launch shape in `SWEEP` for each of its three kernels
+- `cp_fused` / `cp_sdpa`: the same row split over `--context-parallel` ranks
+  (`engines/context_parallel.py`), every rank's queries in turn attending to the gathered keys: one
+  FlashAttention-2 varlen call over the rank's pieces, or SDPA piece by piece; the times are the
+  whole group's work on one GPU (a rank takes about 1/C of it)
 - `flex_varlen`: FlexAttention (`torch.nn.attention.flex_attention`, compiled Triton kernels) over the
   packed row with a same-sequence causal block mask (mask built once per micro-batch, not timed)
 - `cudnn_padded` / `flash_padded`: SDPA on the same sequences right-padded to the longest, batch-first
@@ -24,6 +28,7 @@ TFLOP/s count causal work only: 2 * L * (L + 1) * heads * head_dim per sequence 
     python -m benchmarks.bench_attention --shapes 14x2x64 \\
         --kernels flash_varlen,flex_varlen,cudnn_varlen,cudnn_padded,flash_padded
     python -m benchmarks.bench_attention --kernels flash_varlen,triton_varlen --sweep
+    python -m benchmarks.bench_attention --shapes 14x2x64 --kernels flash_varlen,cp_fused,cp_sdpa --context-parallel 2
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from areal_async.engines import attention_triton
-from areal_async.engines.varlen import causal_varlen_attn
+from areal_async.engines.context_parallel import ContextPart, attend_gathered
+from areal_async.engines.varlen import causal_varlen_attn, causal_varlen_attn_qk
 from benchmarks import harness
 
 METRICS: dict[str, harness.Direction] = {"fwd_ms": "lower", "bwd_ms": "lower", "fwd_bwd_tflops": "higher"}
@@ -150,6 +156,26 @@ def flex_varlen(lengths: list[int]) -> Callable[..., torch.Tensor]:
         heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
         out = attend(*heads_first, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
         return out[0].transpose(0, 1)
+
+    return run
+
+
+def context_parallel(lengths: list[int], size: int, fused: bool) -> Callable[..., torch.Tensor]:
+    """Every rank's part of the row of `lengths` in turn (parts built once, not timed); returns the
+    outputs in the row's order."""
+    n = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    positions = torch.cat([torch.arange(m) for m in lengths])[None].cuda()
+    ids, selected = torch.arange(n, device="cuda")[None], torch.arange(n - 1, device="cuda")
+    parts = [ContextPart.of(None, ids, positions, selected, cu, size=size, rank=r)[0] for r in range(size)]
+    order = torch.argsort(torch.cat([p.tokens() for p in parts]))
+    kernel = causal_varlen_attn_qk if fused else None
+
+    def run(q, k, v, _cu, _max_len):  # type: ignore[no-untyped-def]
+        pad = parts[0].bounds[-1] - n
+        q, kv = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, torch.cat([k, v], dim=-1)))
+        outs = [attend_gathered(q[p.tokens()], kv[p.gathered], p, None, kernel) for p in parts]
+        return torch.cat(outs)[order][:n]
 
     return run
 
@@ -273,6 +299,9 @@ def measure_shape(shape: str, lengths: list[int], args: argparse.Namespace) -> l
         "cudnn_padded": padded("cudnn"),
         "flash_padded": padded("flash"),
     }
+    for name, fused in (("cp_fused", True), ("cp_sdpa", False)):
+        if name in args.kernels.split(","):
+            kernels[name] = context_parallel(lengths, args.context_parallel, fused)
     if "flex_varlen" in args.kernels.split(","):
         kernels["flex_varlen"] = flex_varlen(lengths)  # builds the block mask: only when asked for
     rows: list[dict[str, Any]] = []
@@ -305,6 +334,9 @@ def main() -> None:
         help="comma list of HEADSxKV_HEADSxHEAD_DIM (14x2x64: Qwen2-0.5B)",
     )
     parser.add_argument("--kernels", default="flash_varlen,triton_varlen", help="comma list; repeats allowed")
+    parser.add_argument(
+        "--context-parallel", type=int, default=2, help="ranks the cp_* kernels split the row over"
+    )
     parser.add_argument("--sweep", action="store_true", help="also time each Triton launch shape in SWEEP")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)

@@ -11,9 +11,12 @@ paired with an early one (few).
 
 Attention (`attend`). Each layer's rotated keys and values are all-gathered over the group (in
 backward their gradients are reduce-scattered back to the ranks that own them), and the rank's
-queries attend causally, within their own sequence, to the keys up to their position: SDPA per
-sequence with its causal offset, on every device (no fused kernel takes a query block that
-starts inside a sequence yet).
+queries attend causally, within their own sequence, to the keys up to their position. The rank's
+queries fall into pieces (`ContextPart.pieces`): the tokens of one sequence within one of its two
+chunks, which attend to the keys from their sequence's start to the piece's end, aligned at the
+bottom right (the piece's last query sees every key). On CUDA in 16 bits the pieces run as one
+FlashAttention-2 varlen call with separate query and key bounds (`varlen` argument), elsewhere as
+SDPA per piece with the same mask.
 
 Logprobs (`gather_logprobs`). Each rank computes the logprob and entropy of the selected rows
 (`hidden_index`) that fall in its part; they are all-gathered into the micro-batch's whole `[n]`,
@@ -30,7 +33,10 @@ rank of each.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -77,15 +83,48 @@ class ContextPart:
         """This rank's two `[start, end)` token ranges in the padded row."""
         return _ranges(self.rank, self.size, self.chunk)
 
+    def tokens(self) -> torch.Tensor:
+        """The padded row's positions of this rank's tokens, in its local order."""
+        return _tokens(self.rank, self.size, self.chunk).to(self.gathered.device)
+
+    @cached_property
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """`(start, q0, q1)` for every run of this rank's tokens that lies in one sequence, in local
+        order: tokens `[q0, q1)` of the sequence that starts at `start` (padded row positions)."""
+        out = []
+        for lo, hi in self.ranges():
+            for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True):
+                if max(a, lo) < min(b, hi):
+                    out.append((a, max(a, lo), min(b, hi)))
+        return out
+
+    @cached_property
+    def varlen_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """The pieces as one varlen call: the index into the gathered keys of every piece's keys (from
+        its sequence's start to the piece's end, piece after piece), the int32 query and key bounds,
+        and the longest query and key span."""
+        q_spans = [q1 - q0 for _, q0, q1 in self.pieces]
+        k_spans = [q1 - a for a, _, q1 in self.pieces]
+        device = self.gathered.device
+        keys = torch.cat([torch.arange(a, q1) for a, _, q1 in self.pieces]).to(device)
+        keys = torch.argsort(self.gathered)[keys]  # row positions -> positions in the gathered tensor
+        cu_q, cu_k = (
+            torch.tensor([0, *accumulate(spans)], dtype=torch.int32, device=device)
+            for spans in (q_spans, k_spans)
+        )
+        return keys, cu_q, cu_k, max(q_spans), max(k_spans)
+
     @classmethod
     def of(
         cls, group: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden_index: torch.Tensor,
-        cu_seqlens: torch.Tensor, pad_token_id: int = 0,
+        cu_seqlens: torch.Tensor, pad_token_id: int = 0, *, size: int | None = None, rank: int | None = None,
     ) -> tuple[ContextPart, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Split the packed row `[1, N]`: returns the part, this rank's `input_ids` and
         `position_ids` `[1, 2 chunk]`, its selected rows (indices into its part) and their targets
-        laid out for `logprobs.of_selected` (entry `i + 1` is local row i's next token)."""
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        laid out for `logprobs.of_selected` (entry `i + 1` is local row i's next token). `size` and
+        `rank` default to the group's (given: a layout without a process group, as tests use)."""
+        size = dist.get_world_size(group) if size is None else size
+        rank = dist.get_rank(group) if rank is None else rank
         n = int(input_ids.shape[1])
         chunk = local_tokens(n, size) // 2
         pad = 2 * size * chunk - n
@@ -110,7 +149,7 @@ class ContextPart:
             gathered=torch.cat([_tokens(r, size, chunk) for r in range(size)]).to(ids.device),
         )
         (a, _), (c, _) = part.ranges()
-        local = _tokens(rank, size, chunk).to(ids.device)
+        local = part.tokens()
         mine = torch.cat([per_chunk[rank] - a, per_chunk[2 * size - 1 - rank] - c + chunk])
         following = ids[(local + 1).clamp(max=ids.shape[0] - 1)]
         targets = torch.cat([following[:1], following])
@@ -136,28 +175,48 @@ class _GatherTokens(torch.autograd.Function):
         return out, None
 
 
+VarlenKernel = Callable[..., torch.Tensor]
+"""`(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale) -> out`: causal attention of packed
+queries to packed keys with separate bounds, bottom-right aligned (`varlen.causal_varlen_attn`)."""
+
+
 def attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, part: ContextPart, scale: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    part: ContextPart,
+    scale: float | None,
+    varlen: VarlenKernel | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries `[t, heads, d]` to the group's keys and values (this
-    rank's `[t, kv_heads, d]`, gathered), within each sequence; returns `[t, heads, d]`."""
-    d = key.shape[-1]
+    rank's `[t, kv_heads, d]`, gathered), within each sequence; returns `[t, heads, d]`. `varlen`, a
+    fused kernel that runs every piece in one call, is passed by callers where it runs (CUDA, 16
+    bits); without it SDPA runs piece by piece."""
     kv = _GatherTokens.apply(torch.cat([key, value], dim=-1), part.group)
+    return attend_gathered(query, kv, part, scale, varlen)
+
+
+def attend_gathered(
+    query: torch.Tensor, kv: torch.Tensor, part: ContextPart, scale: float | None, varlen: VarlenKernel | None
+) -> torch.Tensor:
+    """`attend` after the gather: `kv` holds every rank's keys and values (concatenated on the last
+    dim), rank by rank."""
+    d = kv.shape[-1] // 2
+    if varlen is not None:
+        keys_index, cu_q, cu_k, max_q, max_k = part.varlen_layout
+        kv = kv.index_select(0, keys_index)
+        return varlen(query, kv[..., :d], kv[..., d:], cu_q, cu_k, max_q, max_k, scale)
     row = torch.empty_like(kv).index_copy(0, part.gathered, kv)  # in the row's order
     keys, values = row[..., :d], row[..., d:]
-    gqa = key.shape[1] != query.shape[1]
+    gqa = keys.shape[1] != query.shape[1]
     outs, offset = [], 0
-    for lo, hi in part.ranges():
-        for a, b in zip(part.bounds[:-1], part.bounds[1:], strict=True):
-            q0, q1 = max(a, lo), min(b, hi)
-            if q0 >= q1:
-                continue
-            q = query[offset + q0 - lo : offset + q1 - lo].transpose(0, 1)[None]
-            k, v = (t[a:q1].transpose(0, 1)[None] for t in (keys, values))
-            own = torch.arange(q0 - a, q1 - a, device=query.device)[:, None]
-            mask = torch.arange(q1 - a, device=query.device)[None, :] <= own  # key position <= query's
-            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa))
-        offset += hi - lo
+    for a, q0, q1 in part.pieces:
+        q = query[offset : offset + q1 - q0].transpose(0, 1)[None]
+        k, v = (t[a:q1].transpose(0, 1)[None] for t in (keys, values))
+        own = torch.arange(q0 - a, q1 - a, device=query.device)[:, None]
+        mask = torch.arange(q1 - a, device=query.device)[None, :] <= own  # key position <= query's
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa))
+        offset += q1 - q0
     return torch.cat(outs, dim=2)[0].transpose(0, 1)
 
 

@@ -93,9 +93,12 @@ class PackedCoreAttention(nn.Module):
         if torch.is_autocast_enabled(device):  # float32 cos/sin promote q and k; attend in 16 bits
             dtype = torch.get_autocast_dtype(device)
             query, key, value = (t.to(dtype) for t in (query, key, value))
+        fused = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
         if p.context is not None:
-            out = attend(query, key, value, p.context, self.scale)
-        elif query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+            out = attend(
+                query, key, value, p.context, self.scale, varlen.causal_varlen_attn_qk if fused else None
+            )
+        elif fused:
             kernel = attention_triton.varlen_attention if p.kernel == "triton" else varlen.causal_varlen_attn
             out = kernel(query, key, value, p.cu_seqlens_q, p.max_seqlen_q, self.scale)
         else:

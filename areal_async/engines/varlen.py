@@ -126,9 +126,11 @@ def packed_attention_forward(
         query, key, value = (t.to(dtype) for t in (query, key, value))
     q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query, key, value))
     part = kwargs.get("context_part")
+    fused = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
     if part is not None:  # this rank's part of the row (engines/context_parallel.py)
-        out_NHD = context_parallel.attend(q_NHD, k_NHD, v_NHD, part, scaling)
-    elif query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        pieces = causal_varlen_attn_qk if fused else None
+        out_NHD = context_parallel.attend(q_NHD, k_NHD, v_NHD, part, scaling, pieces)
+    elif fused:
         attend = attention_triton.varlen_attention if kernel == "triton" else causal_varlen_attn
         out_NHD = attend(q_NHD, k_NHD, v_NHD, cu_seqlens, kwargs["max_length_q"], scaling)
     else:
@@ -146,12 +148,27 @@ def causal_varlen_attn(
 ) -> torch.Tensor:
     """`varlen_attn`, causal within each sequence of a packed row (`[N, heads, D]`, grouped K/V heads
     read in place), whatever its keyword spelling in this torch release; CUDA, 16-bit inputs."""
+    return causal_varlen_attn_qk(q_NHD, k_NHD, v_NHD, cu_seqlens, cu_seqlens, max_length, max_length, scale)
+
+
+def causal_varlen_attn_qk(
+    q_NHD: torch.Tensor,
+    k_NHD: torch.Tensor,
+    v_NHD: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`causal_varlen_attn` with separate query and key bounds: query block i attends to key block i,
+    causally aligned at the bottom right (its last query sees every key; context parallelism's pieces)."""
     from torch.nn.attention.varlen import varlen_attn
 
     causal = _VARLEN_KWARGS
     assert causal is not None, "torch.nn.attention.varlen.varlen_attn is missing"
     q, k, v = (t.contiguous() for t in (q_NHD, k_NHD, v_NHD))
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale, **causal)
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale=scale, **causal)
 
 
 def sdpa_per_sequence(
