@@ -144,8 +144,12 @@ class MegatronConfig:
     context_parallel must divide the trainer's ranks."""
 
     sequence_parallel: bool = False
-    """Split norms and dropout over the tensor-parallel ranks. Not supported yet (megatron-core's
-    sequence-parallel layers run on CUDA only; docs/design.md section 9.3)."""
+    """Between the tensor-parallel layers (embedding output, norms, residual adds, the hidden states
+    sent between pipeline stages) each tensor-parallel rank holds 1/tensor_parallel of the packed
+    row's tokens: all-gathered before QKV and fc1, reduce-scattered after the attention output and
+    fc2, so it communicates as plain tensor parallelism does (engines/sequence_parallel.py). Rows
+    are padded to a multiple of tensor_parallel tokens (2 x context_parallel x tensor_parallel with
+    context parallelism). Needs tensor_parallel > 1."""
 
     def __post_init__(self) -> None:
         positive(self, "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel")
@@ -156,13 +160,9 @@ class MegatronConfig:
             )
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError(
-                "trainer.megatron.sequence_parallel needs tensor_parallel > 1; set sequence_parallel: false"
-            )
-        if self.sequence_parallel:
-            raise ValueError(
-                "trainer.megatron: sequence_parallel=true is not supported yet (megatron-core's "
-                "sequence-parallel layers run on CUDA only); use context_parallel to split long rows, "
-                "or set sequence_parallel: false"
+                "trainer.megatron.sequence_parallel=true needs tensor_parallel > 1 (it splits the tokens "
+                "over the tensor-parallel ranks), got tensor_parallel=1; set tensor_parallel: 2 or more, "
+                "or sequence_parallel: false"
             )
 
 

@@ -156,23 +156,31 @@ class ContextPart:
         return part, ids[local][None], positions[local][None], mine, targets
 
 
-class _GatherTokens(torch.autograd.Function):
+def all_gather_rows(part: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's equal `[t, ...]` part, concatenated along dim 0 in rank order (no autograd)."""
+    out = part.new_empty((part.shape[0] * dist.get_world_size(group), *part.shape[1:]))
+    dist.all_gather_into_tensor(out, part.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_rows(whole: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's `1/size` block of rows (along dim 0) of `whole` summed over the group (no autograd)."""
+    out = whole.new_empty((whole.shape[0] // dist.get_world_size(group), *whole.shape[1:]))
+    dist.reduce_scatter_tensor(out, whole.contiguous(), group=group)
+    return out
+
+
+class GatherRows(torch.autograd.Function):
     """All-gather `[t, ...]` parts along dim 0 over a group; backward reduce-scatters the gradient."""
 
     @staticmethod
     def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        size = dist.get_world_size(group)
-        out = part.new_empty((part.shape[0] * size, *part.shape[1:]))
-        dist.all_gather_into_tensor(out, part.contiguous(), group=group)
-        return out
+        return all_gather_rows(part, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        size = dist.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        return reduce_scatter_rows(grad, ctx.group), None
 
 
 VarlenKernel = Callable[..., torch.Tensor]
@@ -192,7 +200,7 @@ def attend(
     rank's `[t, kv_heads, d]`, gathered), within each sequence; returns `[t, heads, d]`. `varlen`, a
     fused kernel that runs every piece in one call, is passed by callers where it runs (CUDA, 16
     bits); without it SDPA runs piece by piece."""
-    kv = _GatherTokens.apply(torch.cat([key, value], dim=-1), part.group)
+    kv = GatherRows.apply(torch.cat([key, value], dim=-1), part.group)
     return attend_gathered(query, kv, part, scale, varlen)
 
 

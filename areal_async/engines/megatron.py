@@ -16,10 +16,9 @@ and data-parallel groups across them. Ranks of a tensor-parallel or context-para
 pipeline get the same shard of the batch (`dp_rank`); the learner scatters over `dp_size`. Under
 torchrun the process group is the trainer's (gloo on CPU, NCCL on CUDA); without torchrun the
 engine creates a one-rank group, because megatron-core needs one. Gradients are summed over the
-data-parallel x context-parallel ranks (and the q/k norms' over the tensor-parallel group, whose
-ranks each hold other heads), then clipped by the norm over all shards (each tensor-parallel slice
-and pipeline stage counted once). `MegatronConfig` (`trainer.megatron`) refuses sequence
-parallelism: megatron-core's sequence-parallel layers run on CUDA only (docs/design.md 9.3).
+data-parallel x context-parallel ranks (norms whose tensor-parallel copies see other heads or other
+tokens over the tensor-parallel group: `engines/sequence_parallel.py`), then clipped by the norm
+over all shards (each tensor-parallel slice and pipeline stage counted once).
 
 Numerics as FSDP2's: float32 master weights and optimizer state, bf16 autocast with `dtype` bfloat16
 or auto, on CUDA; on CPU the backend trains in float32 (`auto` resolves to it), because megatron-core's
@@ -39,6 +38,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,6 +58,7 @@ from areal_async.engines.megatron_model import (
     vocab_parallel_logprobs,
 )
 from areal_async.engines.megatron_pipeline import StageNames, Stages, gather_to_first
+from areal_async.engines.sequence_parallel import summed_over_tensor_parallel, use_sequence_parallel
 from areal_async.engines.train_loop import TrainLoop
 from areal_async.engines.train_setup import init_distributed, make_optimizer, resolve_train_dtype
 
@@ -215,6 +216,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = tensor_parallel
+        self.sequence_parallel = parallel.sequence_parallel
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -231,7 +233,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         )
         logprob_fn = logprobs.pick_logprob_fn(self.device, compile, kernel=logprob_kernel)
         if tensor_parallel > 1:
-            logprob_fn = vocab_parallel_logprobs
+            logprob_fn = partial(vocab_parallel_logprobs, rows_gathered=self.sequence_parallel)
         self.micro_batch_tokens = micro_batch_tokens
         self.packed = True
         self.attention_kernel = varlen.pick_attention_kernel(
@@ -261,6 +263,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             logprob_fn=logprob_fn,
             attention_kernel=self.attention_kernel,
             context_group=parallel_state.get_context_parallel_group() if self.cp_size > 1 else None,
+            sequence_group=self.tp_group if self.sequence_parallel else None,
             pad_token_id=self.pad_token_id,
         )
         self.named = {
@@ -337,6 +340,8 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         )
         spec = get_gpt_layer_local_spec(qk_layernorm=s.qk_norm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+        if self.sequence_parallel:
+            use_sequence_parallel(spec)
         return GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -409,17 +414,13 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             param.grad = torch.zeros_like(param)
         dist.all_reduce(param.grad, group=parallel_state.get_embedding_group())
 
-    def _sum_head_norm_grads(self) -> None:
-        """q/k norms (Qwen3) are one weight for every head, replicated over tensor-parallel ranks that
-        each hold other heads: their gradients are summed over the tensor-parallel group."""
+    def _sum_replicated_grads(self) -> None:
+        """Replicated parameters whose tensor-parallel copies see other heads (q/k norms) or other
+        tokens (every norm under sequence parallelism): gradients summed over the group."""
         if self.tp_size == 1:
             return
-        grads = [
-            p.grad
-            for name, p in self.named.items()
-            if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight"))
-        ]
-        _sum_over(grads, self.tp_group)
+        names = [n for n in self.named if summed_over_tensor_parallel(n, self.sequence_parallel)]
+        _sum_over([g for n in names if (g := self.named[n].grad) is not None], self.tp_group)
 
     # ------------------------------------------------------------ gradients
 
@@ -427,7 +428,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         """Sum gradients over data-parallel and context-parallel ranks (and a tied embedding's two copies over pipeline
         stages), then the global norm (each slice once) and clip."""
         self._sum_tied_embedding_grads()
-        self._sum_head_norm_grads()
+        self._sum_replicated_grads()
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return 0.0

@@ -19,6 +19,9 @@ one model chunk of the stage (a stage holds several when stages are interleaved;
 runs the trainer's logprob kernels (`engines/logprobs.py`); with several, each rank holds a slice
 of the vocabulary and `vocab_parallel_logprobs` combines the slices. Under context parallelism
 each rank computes the logprobs of the selected rows in its part and returns the group's, gathered.
+Under sequence parallelism (`engines/sequence_parallel.py`) the row is padded to split evenly, each
+tensor-parallel rank embeds into and holds its block of the row's hidden states, and the head
+gathers the selected rows of every block.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from areal_async.engines import attention_triton, logprobs, varlen
+from areal_async.engines import attention_triton, logprobs, sequence_parallel, varlen
 from areal_async.engines.context_parallel import ContextPart, attend, gather_logprobs, local_tokens
 
 
@@ -113,14 +116,17 @@ def vocab_parallel_logprobs(
     head: nn.Module,
     temperature: float,
     with_entropy: bool,
+    rows_gathered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`logprobs.LogprobFn` over a vocabulary split across the tensor-parallel group: `head` gives
-    this rank's logits slice; float32 logprob (with grad) and entropy (no grad) of the whole vocab."""
-    import torch.distributed as dist
+    this rank's logits slice; float32 logprob (with grad) and entropy (no grad) of the whole vocab.
+    The rows' gradients are summed over the group here, or, with `rows_gathered` (sequence
+    parallelism), by the backward of `sequence_parallel.gather_selected`, which gathered them."""
     from megatron.core import parallel_state, tensor_parallel
 
     group = parallel_state.get_tensor_model_parallel_group()
-    hidden_NH = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_NH)  # grads summed over TP
+    if not rows_gathered:
+        hidden_NH = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_NH)
     logits = logprobs.scale_logits(head(hidden_NH), temperature)
     entropy = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
     if with_entropy:
@@ -164,6 +170,7 @@ class MegatronLogprobModel(nn.Module):
         logprob_fn: logprobs.LogprobFn,
         attention_kernel: str,
         context_group: Any = None,
+        sequence_group: Any = None,
         pad_token_id: int = 0,
     ) -> None:
         super().__init__()
@@ -178,11 +185,19 @@ class MegatronLogprobModel(nn.Module):
         self.context_group = context_group
         """The context-parallel group (None: every rank holds whole rows)."""
         self.context_size = dist.get_world_size(context_group) if context_group is not None else 1
+        self.sequence_group = sequence_group
+        """The tensor-parallel group under sequence parallelism (None: every rank holds all tokens)."""
+        self.sequence_size = dist.get_world_size(sequence_group) if sequence_group is not None else 1
+        self.pad_multiple = sequence_parallel.pad_multiple(self.sequence_size, self.context_size)
         self.pad_token_id = pad_token_id
 
     def stage_tokens(self, tokens: int) -> int:
         """Rows of a stage's hidden states `[rows, 1, h]` for a packed row of `tokens`."""
-        return tokens if self.context_size == 1 else local_tokens(tokens, self.context_size)
+        if self.sequence_group is not None:
+            tokens = sequence_parallel.padded_tokens(tokens, self.pad_multiple)
+        if self.context_size > 1:
+            tokens = local_tokens(tokens, self.context_size)
+        return tokens // self.sequence_size
 
     def forward(
         self,
@@ -216,12 +231,19 @@ class MegatronLogprobModel(nn.Module):
                 "the Megatron backend trains packed rows only (batching.model_inputs(packed=True))"
             )
         gpt = self.chunks[chunk]
+        sequence_group = self.sequence_group
+        if sequence_group is not None:
+            input_ids, position_ids, cu_seqlens, max_length = sequence_parallel.pad_row(
+                input_ids, position_ids, cu_seqlens, max_length, self.pad_multiple, self.pad_token_id
+            )
         part, targets = None, input_ids
         if self.context_group is not None:
             part, input_ids, position_ids, hidden_index, targets = ContextPart.of(
                 self.context_group, input_ids, position_ids, hidden_index, cu_seqlens, self.pad_token_id
             )
-        if gpt.pre_process:
+        if gpt.pre_process and sequence_group is not None:
+            hidden = sequence_parallel.embed(gpt.embedding, input_ids, sequence_group)  # [t / T, 1, h]
+        elif gpt.pre_process:
             hidden = gpt.embedding(input_ids=input_ids, position_ids=position_ids)  # [t, 1, h]
         elif stage_input is None:
             raise ValueError("a pipeline stage after the first needs the previous stage's output")
@@ -244,9 +266,14 @@ class MegatronLogprobModel(nn.Module):
         hidden = gpt.decoder(hidden_states=hidden, attention_mask=None, packed_seq_params=params)
         if not gpt.post_process:
             return hidden
+        hidden_TH = hidden.squeeze(1)
+        if sequence_group is not None:
+            hidden_TH, targets, hidden_index = sequence_parallel.gather_selected(
+                hidden_TH, hidden_index, targets, sequence_group
+            )
         logprobs_N, entropy_N = logprobs.of_selected(
             self.logprob_fn,
-            hidden.squeeze(1),
+            hidden_TH,
             targets,
             hidden_index,
             self.head,

@@ -1,7 +1,7 @@
 """Megatron backend on CPU (gloo): megatron-core's GPT model trained by the shared loop agrees with the
-FSDP2 engine on Llama, Qwen2 and Qwen3 models, at tensor_parallel 1 and 2, over 2 and 3 pipeline
-stages and with data parallelism, and its sharded checkpoints resume losslessly at another
-tensor-parallel, pipeline or data-parallel size.
+FSDP2 engine on Llama, Qwen2 and Qwen3 models, at tensor_parallel 1 and 2 (with and without sequence
+parallelism), over 2 and 3 pipeline stages, with context and data parallelism, and its sharded
+checkpoints resume losslessly at another tensor-parallel, pipeline or data-parallel size.
 
 megatron-core keeps global parallel state and needs a process group, so every Megatron engine runs in
 spawned processes; the FSDP2 reference runs in the test process.
@@ -98,6 +98,7 @@ def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str,
                 tensor_parallel=job["tp"],
                 pipeline_parallel=job.get("pp", 1),
                 context_parallel=job.get("cp", 1),
+                sequence_parallel=job.get("sp", False),
             )
             # Activation checkpointing (which re-runs collectives in backward) and 5-row logprob
             # chunks must not change the numbers.
@@ -329,3 +330,40 @@ def test_context_parallel_matches_fsdp2_and_resumes_without_it(
     assert sorted(r["cp_rank"] for r in ranks) == [0, 0, 1, 1]
     for r in ranks:
         assert_same_run(r | {"weights": r["weights"] if r is ranks[0] else None}, want)
+
+
+def test_sequence_parallel_matches_fsdp2_alone_and_with_context_or_pipeline_parallel(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """tensor_parallel 2 with sequence_parallel: each rank holds half of every packed row between the
+    tensor-parallel layers (rows of odd length padded), and both report FSDP2's logprobs, losses and
+    grad norms, with activation checkpointing re-running the gathers in backward; rank 0's weights
+    after two steps are FSDP2's, so the norms (input, pre-MLP, final, and Qwen3's q/k norms), which
+    see only the rank's tokens, got the gradients of all of them; Qwen2's q/k/v biases and untied
+    head train as FSDP2's too. The same holds on the tied Llama
+    with two context-parallel ranks as well (rows padded to 8-token multiples, each context part
+    split over the tensor-parallel pair) and with two pipeline stages (which pass half rows)."""
+    spawn(
+        2,
+        tmp_path,
+        [{"name": f"sp-{f}", "model": models[f], "tp": 2, "sp": True} for f in ("qwen3", "qwen2")],
+    )
+    spawn(4, tmp_path, [{"name": "sp-cp2", "model": models["llama"], "tp": 2, "cp": 2, "sp": True}])
+    spawn(4, tmp_path, [{"name": "sp-pp2", "model": models["llama"], "tp": 2, "pp": 2, "sp": True}])
+
+    for family in ("qwen3", "qwen2"):
+        _, want = reference(models[family])
+        ranks = [torch.load(tmp_path / f"sp-{family}-rank{r}.pt", weights_only=False) for r in range(2)]
+        for r in ranks:
+            assert_same_run(r | {"weights": r["weights"] if r is ranks[0] else None}, want)
+
+    _, want = reference(models["llama"])
+    ranks = [torch.load(tmp_path / f"sp-cp2-rank{r}.pt", weights_only=False) for r in range(4)]
+    assert sorted(r["cp_rank"] for r in ranks) == [0, 0, 1, 1]
+    for r in ranks:
+        assert_same_run(r | {"weights": r["weights"] if r is ranks[0] else None}, want)
+    ranks = [torch.load(tmp_path / f"sp-pp2-rank{r}.pt", weights_only=False) for r in range(4)]
+    assert sorted(r["stage"] for r in ranks) == [0, 0, 1, 1]
+    last = [r for r in ranks if r["stage"] == 1]
+    for r in last:
+        assert_same_run(r | {"weights": ranks[0]["weights"] if r is last[0] else None}, want)

@@ -146,10 +146,15 @@ def test_megatron_config_errors_name_the_key_and_the_fix() -> None:
     MegatronConfig(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline=2, context_parallel=2)
     with pytest.raises(ValueError, match="virtual_pipeline=2 needs pipeline_parallel > 1"):
         MegatronConfig(virtual_pipeline=2)
-    with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_parallel=true needs tensor_parallel > 1 .* set tensor_parallel: 2 or more",
+    ):
         MegatronConfig(sequence_parallel=True)
-    with pytest.raises(ValueError, match="sequence_parallel=true is not supported yet.*context_parallel"):
-        MegatronConfig(tensor_parallel=2, sequence_parallel=True)
+    MegatronConfig(tensor_parallel=2, sequence_parallel=True)
+    MegatronConfig(  # with every other split
+        tensor_parallel=2, pipeline_parallel=2, virtual_pipeline=2, context_parallel=2, sequence_parallel=True
+    )
     with pytest.raises(ValueError, match=r"tensor_parallel=2 does not divide trainer.num_ranks=3"):
         TrainerConfig(backend="megatron", num_ranks=3, megatron=MegatronConfig(tensor_parallel=2))
     TrainerConfig(
