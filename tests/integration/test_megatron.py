@@ -97,6 +97,7 @@ def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str,
             megatron = MegatronConfig(
                 tensor_parallel=job["tp"],
                 pipeline_parallel=job.get("pp", 1),
+                virtual_pipeline=job.get("vpp", 1),
                 context_parallel=job.get("cp", 1),
                 sequence_parallel=job.get("sp", False),
             )
@@ -111,6 +112,7 @@ def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str,
             result: dict[str, Any] = {
                 "dp_rank": engine.dp_rank,
                 "stage": engine.stages.rank,
+                "chunks": engine.stages.chunks,
                 "cp_rank": engine.cp_rank,
             }
             if "resume_from" in job:  # a checkpoint of another tensor-parallel size, then one step
@@ -279,6 +281,7 @@ def test_pipeline_stages_match_fsdp2_and_resume_in_one_stage(models: dict[str, P
         _, want = reference(model)
         ranks = [torch.load(tmp_path / f"pp-{name}-rank{r}.pt", weights_only=False) for r in range(size)]
         assert [r["stage"] for r in ranks] == list(range(size))
+        assert {r["chunks"] for r in ranks} == {2 if name == "llama4" else 1}  # llama4: interleaved
         first, last = ranks[0], ranks[-1]
         assert all(r["weights"] is None for r in ranks[1:])  # rank 0 gathers the stages
         assert_same_run(last | {"weights": first["weights"]}, want)
