@@ -158,7 +158,8 @@ def largest_over_ranks(value: float) -> float:
     """`value`'s maximum over the trainer's ranks (itself without a process group)."""
     if not dist.is_initialized():
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
