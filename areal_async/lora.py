@@ -150,6 +150,33 @@ def module_weight(adapter_name: str) -> tuple[str, str]:
     raise ValueError(f"{adapter_name!r} is not a LoRA adapter tensor name (no .lora_A. or .lora_B.)")
 
 
+def adapter_pairs(adapter: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF weight name -> ``(A, B)`` for every module an adapter's tensors (peft names) cover."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in adapter.items():
+        weight, part = module_weight(name)
+        halves.setdefault(weight, {})[part] = tensor
+    pairs = {}
+    for weight, ab in sorted(halves.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(
+                f"adapter for {weight!r} has only lora_{''.join(ab)}; it needs lora_A and lora_B"
+            )
+        pairs[weight] = (ab["A"], ab["B"])
+    return pairs
+
+
+def check_fits(weight: str, shape: Sequence[int] | None, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Raise unless ``B @ A`` has the shape of weight ``weight`` (``shape`` None: no such weight)."""
+    if shape is None:
+        raise ValueError(f"adapter targets {weight!r}, which the base model does not have")
+    if b.shape[0] != shape[0] or a.shape[1] != shape[1] or a.shape[0] != b.shape[1]:
+        raise ValueError(
+            f"adapter for {weight!r} has A {tuple(a.shape)} and B {tuple(b.shape)}, which do not fit "
+            f"the weight's shape {tuple(shape)}"
+        )
+
+
 def merge(
     base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scale: float
 ) -> dict[str, torch.Tensor]:
@@ -157,26 +184,12 @@ def merge(
     device (one ``addmm`` each); ``base`` maps HF weight names to the unadapted weights."""
     import torch
 
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in adapter.items():
-        weight, part = module_weight(name)
-        pairs.setdefault(weight, {})[part] = tensor
     merged = {}
-    for weight, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise ValueError(
-                f"adapter for {weight!r} has only lora_{''.join(ab)}; it needs lora_A and lora_B"
-            )
-        if weight not in base:
-            raise ValueError(f"adapter targets {weight!r}, which the base model does not have")
-        w = base[weight]
-        a, b = ab["A"].to(w.device, w.dtype), ab["B"].to(w.device, w.dtype)
-        if b.shape[0] != w.shape[0] or a.shape[1] != w.shape[1] or a.shape[0] != b.shape[1]:
-            raise ValueError(
-                f"adapter for {weight!r} has A {tuple(a.shape)} and B {tuple(b.shape)}, which do not fit "
-                f"the weight's shape {tuple(w.shape)}"
-            )
-        merged[weight] = torch.addmm(w, b, a, alpha=scale)
+    for weight, (a, b) in adapter_pairs(adapter).items():
+        w = base.get(weight)
+        check_fits(weight, None if w is None else w.shape, a, b)
+        assert w is not None
+        merged[weight] = torch.addmm(w, b.to(w.device, w.dtype), a.to(w.device, w.dtype), alpha=scale)
     return merged
 
 

@@ -13,10 +13,12 @@ values (the ``weights.published`` -> ``weights.loaded`` path, without the bus's 
   (``WeightReceiver.receive`` + copy). Also reported: ``prepare_s``, the part on the trainer's
   step path.
 - ``lora``: a LoRA run's version: the trainer writes rank-``--lora-rank`` adapters of every linear
-  module (an adapter directory, ``areal_async/lora.py``) to ``/dev/shm``; the engine reads it and
-  merges ``W + scale * B @ A`` from its base weights into its parameters, as the local engine does
-  (on the CPU the merged tensors become the parameters). ``read_s`` / ``apply_s`` split the engine's
-  part.
+  module (an adapter directory, ``areal_async/lora.py``) to ``/dev/shm``. On CUDA the engine reads it
+  and merges ``W + scale * B @ A`` from its base weights into its parameters (``read_s`` /
+  ``apply_s`` split the engine's part). On the CPU the engine is a real ``LocalEngine`` over a
+  random-init model of the shape: ``load_weights`` returns once the version is served (through
+  low-rank hooks, ``engines/local/lora_serving.py``), and ``merge_s`` is the time from then until
+  the merged weights replace the hooks.
 
 ``--device cpu`` runs the engine on one thread (the generation worker's one core in the CPU
 configs) for ``disk``, ``tmpfs`` and ``lora``; ``135M`` is the SmolLM2-135M body (Qwen2 biases).
@@ -37,6 +39,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import anyio.from_thread
 import torch
 import torch.multiprocessing as mp
 
@@ -52,6 +55,7 @@ METRICS: dict[str, harness.Direction] = {
     "prepare_s": "lower",
     "read_s": "lower",
     "apply_s": "lower",
+    "merge_s": "lower",
 }
 
 
@@ -113,6 +117,9 @@ def _engine(shape: str, device: str, inbox: Any, outbox: Any) -> None:
 
     if device == "cpu":
         torch.set_num_threads(1)  # the generation worker's one core
+        with anyio.from_thread.start_blocking_portal() as portal:
+            _cpu_engine(shape, portal, inbox, outbox)
+        return
     params = {k: torch.empty_like(v) for k, v in qwen2_weights(shape, device).items()}
     base = {k: v.clone() for k, v in params.items()}  # what adapters apply to
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -133,16 +140,41 @@ def _engine(shape: str, device: str, inbox: Any, outbox: Any) -> None:
         else:
             state = read_safetensors_dir(Path(payload))
         for name, tensor in state.items():
-            if kind == "lora" and device == "cpu":  # as the local engine: merged tensors become storage
-                params[name] = tensor
-            else:
-                params[name].copy_(tensor, non_blocking=True)
+            params[name].copy_(tensor, non_blocking=True)
         sync()
         del state
         done = time.perf_counter()
         # Only the adapter path splits cleanly: full weights are read lazily (mmap) during the copy.
         timings = {"read_s": read_s, "apply_s": done - t0 - read_s} if kind == "lora" else {}
         outbox.put((done, timings))
+
+
+def _cpu_engine(shape: str, portal: Any, inbox: Any, outbox: Any) -> None:
+    """The CPU engine process: a `LocalEngine` over a random-init model of `shape` (bf16, one
+    thread) loads what each message names; reports when `load_weights` returned and, for adapters,
+    how long the merge took after that."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from areal_async.engines.local.engine import LocalEngine
+
+    h, inter, layers, heads, kv, vocab = SHAPES[shape]
+    config = Qwen2Config(
+        hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=True,
+    )  # fmt: skip
+    engine = LocalEngine(Qwen2ForCausalLM(config).to(torch.bfloat16), dtype="bfloat16", max_batch_size=1)
+    portal.call(engine.start)
+    outbox.put("ready")
+    while (msg := inbox.get()) is not None:
+        kind, payload = msg
+        portal.call(engine.load_weights, 0, payload)
+        done = time.perf_counter()
+        timings = {}
+        if kind == "lora":
+            engine._lora.wait_landed()
+            timings["merge_s"] = time.perf_counter() - done
+        outbox.put((done, timings))
+    portal.call(engine.aclose)
 
 
 def main() -> None:
@@ -229,7 +261,9 @@ def main() -> None:
             print(row, flush=True)
         inbox.put(None)
         engine.join(60)
-    harness.print_table(rows, ["case", "gb", "published_to_loaded_s", "prepare_s", "read_s", "apply_s"])
+    harness.print_table(
+        rows, ["case", "gb", "published_to_loaded_s", "prepare_s", "read_s", "apply_s", "merge_s"]
+    )
     result = harness.make_result(
         "weights",
         args,
@@ -237,9 +271,10 @@ def main() -> None:
         METRICS,
         device=args.device,
         note="Random bf16 weights of the Qwen2 shapes; one trainer and one engine process "
-        + ("on one GPU. " if args.device == "cuda" else "(the engine on one thread). ")
+        + ("on one GPU. " if args.device == "cuda" else "(a LocalEngine on one thread). ")
         + "disk/tmpfs/lora include the fsynced write; cuda_ipc includes pack, digest, export, map, digest, copy; "
-        "lora merges rank-r adapters of every linear module into the engine's weights.",
+        "lora: rank-r adapters of every linear module, merged into the engine's weights before they are "
+        "served on CUDA, served through low-rank hooks until the merge lands on the CPU (merge_s).",
     )
     harness.emit(result, args.out, args.save_baseline)
 

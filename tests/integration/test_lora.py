@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import torch.distributed as dist
@@ -158,6 +160,53 @@ async def test_the_local_engine_serves_each_version_s_adapter(untied: Path, tmp_
             )
         ]
         torch.testing.assert_close(torch.tensor(served), base.compute_logprobs(seq)[0], atol=1e-4, rtol=0)
+
+
+async def _served_logprobs(engine: LocalEngine, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    tokens, served = await _greedy(engine, prompt, 8)
+    return tokens, torch.tensor(served)
+
+
+def _trainer_logprobs(trainer: FSDPTrainEngine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    seq = TrainSequence(
+        prompt_ids=prompt, completion_ids=tokens, behave_logprobs=[0.0] * 8, advantages=[0.0] * 8
+    )
+    return trainer.compute_logprobs([seq])[0]
+
+
+@pytest.mark.asyncio
+async def test_a_cpu_engine_serves_an_adapter_before_its_merge_lands(untied: Path, tmp_path: Path) -> None:
+    """With the merge held back, the new version is served at once through low-rank hooks and gives
+    the trainer's logprobs: v1 over the base weights, v2 over weights that hold v1 merged (the hooks
+    subtract v1). Once the merge lands the hooks are gone and the logprobs are unchanged."""
+    trainer = make_engine(untied)
+    prompt = [5, 9, 14, 3, 22, 7]
+    async with LocalEngine(untied, max_batch_size=2, dtype="float32") as engine:
+        merge, gate = engine._merge_adapter, threading.Event()
+
+        def held_merge(adapter: lora.Adapter) -> dict[str, torch.Tensor]:
+            gate.wait(timeout=60)
+            return merge(adapter)
+
+        engine._merge_adapter = held_merge  # type: ignore[method-assign]
+        for version in (1, 2):
+            trainer.train_step(batch(version), pg_loss)
+            trainer.version = version
+            trainer.save_hf(tmp_path / f"v{version}")
+            gate.clear()
+            await engine.load_weights(version, tmp_path / f"v{version}")
+            assert (await engine.health())["lora_unmerged"], "the merge landed before the gate opened"
+            tokens, unmerged = await _served_logprobs(engine, prompt)
+            torch.testing.assert_close(
+                unmerged, _trainer_logprobs(trainer, prompt, tokens), atol=1e-4, rtol=0
+            )
+            gate.set()
+            with anyio.fail_after(30):
+                await anyio.to_thread.run_sync(engine._lora.wait_landed)
+            assert not (await engine.health())["lora_unmerged"]
+            merged_tokens, merged = await _served_logprobs(engine, prompt)
+            assert merged_tokens == tokens
+            torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=0)
 
 
 def _two_rank_worker(rank: int, port: int, model_dir: str, out: str) -> None:

@@ -24,8 +24,10 @@ import structlog
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from areal_async import lora
 from areal_async.engines.base import EngineClosedError, GenerationRequest, GenerationResult, SamplingParams
 from areal_async.engines.local.kv import _STAND_IN, _BatchKV, _DecodeRows, _left_padded, cache_kwarg
+from areal_async.engines.local.lora_serving import AdapterServing
 from areal_async.engines.local.sampling import is_filtered, sample_tokens
 from areal_async.engines.local.slots import _SlotKV
 
@@ -89,6 +91,10 @@ class _WeightLoad:
     pause_s: float = 0.0
     adopt: bool = False
     """`state` holds tensors made for this load alone, which may become the parameters' storage."""
+    adapter: lora.Adapter | None = None
+    """The LoRA adapter of this version (merged into `state`, or served unmerged)."""
+    hooks: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+    """Serve `adapter` through these hooks until its merge lands (`lora_serving.py`); `state` is empty."""
 
 
 class DecodeLoop:
@@ -105,6 +111,7 @@ class DecodeLoop:
     _version: int
     _generator: torch.Generator
     _params: dict[str, torch.Tensor]
+    _lora: AdapterServing
     _cond: threading.Condition
     _incoming: deque[_Sequence]
     _loads: deque[_WeightLoad]
@@ -147,14 +154,34 @@ class DecodeLoop:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _install(self, load: _WeightLoad) -> None:
+        """Put `load`'s weights (or its unmerged adapter) in place; what the LoRA state becomes."""
+        if load.hooks is not None:
+            self._lora.serve_unmerged(load.hooks)
+            return
+        self._apply_weights(load.state, load.adopt)
+        self._lora.reset()
+        self._lora.merged = load.adapter
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def _run(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while not (self._closing or self._loads or self._incoming or self._waiting or self._rows):
+                    while not (
+                        self._closing or self._loads or self._incoming or self._waiting or self._rows
+                        or self._lora.merge_done()
+                    ):  # fmt: skip
                         self._cond.wait()
                     if self._closing:
                         break
+                if self._lora.merge_done():  # same version, same function: no re-prefill, no pause
+                    self._lora.land(lambda merged: self._apply_weights(merged, adopt=True))
+                    continue
+                with self._cond:
                     self._waiting.extend(self._incoming)
                     self._incoming.clear()
                     # "finish": a load waits until the running requests are done on the old weights,
@@ -181,7 +208,7 @@ class DecodeLoop:
     def _load_at_boundary(self, load: _WeightLoad) -> None:
         started = time.perf_counter()
         try:
-            self._apply_weights(load.state, load.adopt)
+            self._install(load)
         except Exception as exc:
             load.error = exc
             self._last_error = repr(exc)
@@ -447,6 +474,7 @@ class DecodeLoop:
         self._signal(events)
 
     def _shutdown(self) -> None:
+        self._lora.abandon()
         with self._cond:
             self._closing = True
             pending = self._rows + self._joiners + list(self._waiting) + list(self._incoming)

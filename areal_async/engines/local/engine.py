@@ -50,9 +50,12 @@ Guarantees (beyond the `InferenceEngine` contract in engines/base.py):
 - LoRA: `load_weights` of an adapter directory (areal_async/lora.py) merges `W + scale * B @ A`
   into each targeted weight (one `addmm` each, in the weight's dtype) from a copy of the weight
   taken before the first adapter (adapters are relative to the base model; loading full weights
-  makes those the new base), off the decode thread. The pause installs only the targeted weights,
-  on the CPU by handing the merged tensors over as their storage (no copy). Decoding runs the
-  plain model, so its speed does not change.
+  makes those the new base), off the decode thread. On a GPU the merged weights are installed at
+  the pause and the version is served from them. On the CPU, where the merge is the slow part of
+  the hand-off, the version is served at once through low-rank forward hooks while a worker thread
+  merges, and the merged tensors become the parameters' storage (no copy) at the first step
+  boundary after (`lora_serving.py`). Decoding runs the plain model once the merge has landed,
+  so its speed does not change; `health()["lora_unmerged"]` says whether hooks serve the version.
 - Threading: all model work runs on one dedicated decode thread; the event loop only queues requests
   and waits on anyio Events, so it never blocks. Use the engine from the event loop it was started in.
 - Each result's `stats` holds `queued_s`, `seconds`, `admit_step`, `finish_step` (engine decode-step
@@ -92,6 +95,7 @@ from areal_async.engines.base import (
 )
 from areal_async.engines.local.decode_loop import DecodeLoop, _Call, _Sequence, _WeightLoad
 from areal_async.engines.local.kv import _BatchKV
+from areal_async.engines.local.lora_serving import AdapterServing
 from areal_async.engines.local.slots import _SlotKV
 from areal_async.engines.varlen import PACKED_GQA_SDPA
 from areal_async.models import load_causal_lm, torch_dtype
@@ -170,6 +174,7 @@ class LocalEngine(DecodeLoop, InferenceEngine):
         self._params = self._parameter_names()
         self._lora_base: dict[str, torch.Tensor] = {}
         """Unadapted copies of the weights adapters have changed (LoRA in the module docstring)."""
+        self._lora = AdapterServing(self.model, self._params)
 
         self._cond = threading.Condition()
         self._incoming: deque[_Sequence] = deque()  # guarded by _cond
@@ -280,21 +285,29 @@ class LocalEngine(DecodeLoop, InferenceEngine):
             state = await anyio.to_thread.run_sync(read_safetensors_dir, Path(location))
         if adapter is None:
             self._check_state(state)
+        else:
+            self._lora.check(adapter)
         async with self._load_lock:
-            if adapter is not None:
+            await anyio.to_thread.run_sync(self._lora.wait_landed)  # the last version's merge is in
+            unmerged = adapter is not None and self.device.type == "cpu" and self._thread is not None
+            hooks = None
+            if unmerged:
+                hooks = await anyio.to_thread.run_sync(self._lora.unmerged_hooks, adapter)
+            elif adapter is not None:
                 state = await anyio.to_thread.run_sync(self._merge_adapter, adapter)
-            else:
+            elif adapter is None:
                 self._lora_base.clear()  # full weights: the next adapter applies to them
             if self._status == "closed" or self._closing:
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
+            load = _WeightLoad(
+                version=version, state=state, done=anyio.Event(), adopt=adapter is not None,
+                adapter=adapter, hooks=hooks,
+            )  # fmt: skip
             if self._thread is None:  # not started: nothing is decoding, load directly
-                await anyio.to_thread.run_sync(self._apply_weights, state, adapter is not None)
+                await anyio.to_thread.run_sync(self._install, load)
                 self._version = version
                 pause_s = 0.0
             else:
-                load = _WeightLoad(
-                    version=version, state=state, done=anyio.Event(), adopt=adapter is not None
-                )
                 with self._cond:
                     if self._closing:
                         raise EngineClosedError(f"engine {self.engine_id} is closed")
@@ -304,6 +317,9 @@ class LocalEngine(DecodeLoop, InferenceEngine):
                 if load.error is not None:
                     raise load.error
                 pause_s = load.pause_s
+                if unmerged:
+                    assert adapter is not None
+                    self._lora.start_merge(self._merge_adapter, adapter, self._wake)
         seconds = time.perf_counter() - started
         self._log.info(
             "weights loaded", policy_version=version, seconds=round(seconds, 4), pause_s=round(pause_s, 4)
@@ -335,6 +351,7 @@ class LocalEngine(DecodeLoop, InferenceEngine):
             "running": sum(1 for s in list(self._rows) if s.alive),
             "waiting": len(self._waiting) + incoming,
             **self.counters(),
+            "lora_unmerged": self._lora.unmerged,
             "last_error": self._last_error,
         }
 
@@ -374,15 +391,8 @@ class LocalEngine(DecodeLoop, InferenceEngine):
 
     def _merge_adapter(self, adapter: lora.Adapter) -> dict[str, torch.Tensor]:
         """The targeted weights with `adapter` merged, from the base copies (taken on first use)."""
-        targets = lora.targeted_weights(adapter)
-        unknown = [name for name in targets if name not in self._params]
-        if unknown:
-            raise ValueError(
-                f"adapter targets {len(unknown)} weights this model does not have (first: {unknown[0]!r}); "
-                "it was trained on another base model"
-            )
         with torch.no_grad():
-            for name in targets:
+            for name in lora.targeted_weights(adapter):
                 if name not in self._lora_base:
                     self._lora_base[name] = self._params[name].detach().clone()
             return lora.merge(self._lora_base, adapter.tensors, adapter.scale)
