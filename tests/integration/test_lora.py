@@ -209,6 +209,30 @@ async def test_a_cpu_engine_serves_an_adapter_before_its_merge_lands(untied: Pat
             torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=0)
 
 
+@pytest.mark.asyncio
+async def test_an_adapter_merged_before_start_is_what_the_next_version_replaces(
+    untied: Path, tmp_path: Path
+) -> None:
+    """An engine not started yet merges an adapter straight into its weights (as a GPU engine does
+    before every pause); the next version, served through hooks, takes that adapter out again."""
+    trainer = make_engine(untied)
+    prompt = [5, 9, 14, 3, 22, 7]
+    engine = LocalEngine(untied, max_batch_size=2, dtype="float32")
+    for version in (1, 2):
+        trainer.train_step(batch(version), pg_loss)
+        trainer.version = version
+        trainer.save_hf(tmp_path / f"v{version}")
+        if version == 1:
+            await engine.load_weights(1, tmp_path / "v1")
+            assert not (await engine.health())["lora_unmerged"]
+            await engine.start()
+        else:
+            await engine.load_weights(2, tmp_path / "v2")
+        tokens, served = await _served_logprobs(engine, prompt)
+        torch.testing.assert_close(served, _trainer_logprobs(trainer, prompt, tokens), atol=1e-4, rtol=0)
+    await engine.aclose()
+
+
 def _two_rank_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     init_distributed("cpu")
