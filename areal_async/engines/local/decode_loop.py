@@ -142,12 +142,8 @@ class DecodeLoop:
         with torch.no_grad():
             for name, tensor in state.items():
                 param = self._params[name]
-                if (
-                    adopt
-                    and tensor.dtype == param.dtype
-                    and tensor.shape == param.shape
-                    and tensor.is_contiguous()
-                ):
+                fits = tensor.dtype == param.dtype and tensor.shape == param.shape and tensor.is_contiguous()
+                if adopt and fits:
                     param.data = tensor
                 else:
                     param.copy_(tensor, non_blocking=True)
@@ -162,10 +158,6 @@ class DecodeLoop:
         self._apply_weights(load.state, load.adopt)
         self._lora.reset()
         self._lora.merged = load.adapter
-
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
     def _run(self) -> None:
         try:

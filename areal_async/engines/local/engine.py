@@ -389,6 +389,11 @@ class LocalEngine(DecodeLoop, InferenceEngine):
                 f"LocalEngine supports full-attention models only; this model's cache layers are {kinds}"
             )
 
+    def _wake(self) -> None:
+        """Wake the decode thread (a merge has finished)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def _merge_adapter(self, adapter: lora.Adapter) -> dict[str, torch.Tensor]:
         """The targeted weights with `adapter` merged, from the base copies (taken on first use)."""
         with torch.no_grad():
