@@ -109,8 +109,8 @@ def lora_adapters(shape: str, rank: int, device: str, seed: int) -> dict[str, to
 
 
 def _engine(shape: str, device: str, inbox: Any, outbox: Any) -> None:
-    """The engine process: parameters on ``device``; loads what each message names, reports when done
-    (and how long it read and applied)."""
+    """The engine process: on CUDA preallocated parameters, on the CPU a `LocalEngine` (`_cpu_engine`);
+    loads what each message names, reports when done (and how long it read and applied)."""
     from areal_async import lora
     from areal_async.weights_file import read_safetensors_dir
     from workers.weight_transfer import WeightReceiver

@@ -44,9 +44,30 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+def padded_tokens(tokens: int, multiple: int) -> int:
+    """`tokens` rounded up to a multiple of `multiple`."""
+    return -(-tokens // multiple) * multiple
+
+
 def local_tokens(tokens: int, size: int) -> int:
     """Tokens each of `size` ranks holds of a packed row of `tokens`: two chunks of the padded row."""
-    return 2 * -(-tokens // (2 * size))
+    return padded_tokens(tokens, 2 * size) // size
+
+
+def pad_row(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    """The packed row `[1, N]` padded to a multiple of `multiple` tokens by one extra sequence of
+    `pad_token_id` (which no real token attends to): `(input_ids, position_ids, cu_seqlens, pad)`."""
+    n = int(input_ids.shape[1])
+    pad = padded_tokens(n, multiple) - n
+    if pad == 0:
+        return input_ids, position_ids, cu_seqlens, 0
+    input_ids = torch.cat([input_ids, input_ids.new_full((1, pad), pad_token_id)], dim=1)
+    position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], dim=1)
+    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), n + pad)])
+    return input_ids, position_ids, cu_seqlens, pad
 
 
 def _ranges(rank: int, size: int, chunk: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -125,15 +146,12 @@ class ContextPart:
         `rank` default to the group's (given: a layout without a process group, as tests use)."""
         size = dist.get_world_size(group) if size is None else size
         rank = dist.get_rank(group) if rank is None else rank
-        n = int(input_ids.shape[1])
-        chunk = local_tokens(n, size) // 2
-        pad = 2 * size * chunk - n
-        bounds = [int(b) for b in cu_seqlens.tolist()]
+        input_ids, position_ids, cu_seqlens, _ = pad_row(
+            input_ids, position_ids, cu_seqlens, 2 * size, pad_token_id
+        )
         ids, positions = input_ids.flatten(), position_ids.flatten()
-        if pad:
-            ids = torch.cat([ids, ids.new_full((pad,), pad_token_id)])
-            positions = torch.cat([positions, torch.arange(pad, device=positions.device)])
-            bounds.append(n + pad)
+        chunk = ids.shape[0] // (2 * size)
+        bounds = [int(b) for b in cu_seqlens.tolist()]
         edges = torch.arange(2 * size + 1, device=hidden_index.device) * chunk
         cuts = torch.bucketize(edges, hidden_index).tolist()  # selected rows before each chunk edge
         per_chunk = [hidden_index[cuts[k] : cuts[k + 1]] for k in range(2 * size)]
@@ -168,6 +186,16 @@ def reduce_scatter_rows(whole: torch.Tensor, group: Any) -> torch.Tensor:
     out = whole.new_empty((whole.shape[0] // dist.get_world_size(group), *whole.shape[1:]))
     dist.reduce_scatter_tensor(out, whole.contiguous(), group=group)
     return out
+
+
+def all_gather_counted(rows: torch.Tensor, counts: list[int], group: Any) -> torch.Tensor:
+    """Every rank's `[counts[r], ...]` rows concatenated along dim 0 in rank order (no autograd): one
+    all-gather of the rows padded to the largest count."""
+    width = max(counts)
+    padded = rows.new_zeros((width, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    whole = all_gather_rows(padded, group)
+    return torch.cat([whole[r * width : r * width + c] for r, c in enumerate(counts)])
 
 
 class GatherRows(torch.autograd.Function):
@@ -235,12 +263,7 @@ class _GatherSelected(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, values: torch.Tensor, part: ContextPart) -> torch.Tensor:
         ctx.part = part
-        width = max(part.counts)
-        padded = values.new_zeros((width, *values.shape[1:]))
-        padded[: values.shape[0]] = values
-        out = values.new_empty((width * part.size, *values.shape[1:]))
-        dist.all_gather_into_tensor(out, padded, group=part.group)
-        return torch.cat([out[r * width : r * width + c] for r, c in enumerate(part.counts)])
+        return all_gather_counted(values, part.counts, part.group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -36,7 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from areal_async.engines import attention_triton, logprobs, sequence_parallel, varlen
-from areal_async.engines.context_parallel import ContextPart, attend, gather_logprobs, local_tokens
+from areal_async.engines.context_parallel import (
+    ContextPart,
+    attend,
+    gather_logprobs,
+    local_tokens,
+    pad_row,
+    padded_tokens,
+)
 
 
 def hf_rotary_embedding(hf_config: Any, architecture: str) -> nn.Module:
@@ -194,7 +201,7 @@ class MegatronLogprobModel(nn.Module):
     def stage_tokens(self, tokens: int) -> int:
         """Rows of a stage's hidden states `[rows, 1, h]` for a packed row of `tokens`."""
         if self.sequence_group is not None:
-            tokens = sequence_parallel.padded_tokens(tokens, self.pad_multiple)
+            tokens = padded_tokens(tokens, self.pad_multiple)
         if self.context_size > 1:
             tokens = local_tokens(tokens, self.context_size)
         return tokens // self.sequence_size
@@ -233,9 +240,10 @@ class MegatronLogprobModel(nn.Module):
         gpt = self.chunks[chunk]
         sequence_group = self.sequence_group
         if sequence_group is not None:
-            input_ids, position_ids, cu_seqlens, max_length = sequence_parallel.pad_row(
-                input_ids, position_ids, cu_seqlens, max_length, self.pad_multiple, self.pad_token_id
+            input_ids, position_ids, cu_seqlens, pad = pad_row(
+                input_ids, position_ids, cu_seqlens, self.pad_multiple, self.pad_token_id
             )
+            max_length = max(max_length, pad)
         part, targets = None, input_ids
         if self.context_group is not None:
             part, input_ids, position_ids, hidden_index, targets = ContextPart.of(

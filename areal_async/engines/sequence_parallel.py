@@ -30,7 +30,7 @@ gets a partial gradient on each rank, so its gradients are summed over the group
 after QKV, on every token but only the rank's heads, and are summed with or without sequence
 parallelism.
 
-Padding (`pad_row`). The packed row is padded to a multiple of T tokens (2 C T under context
+Padding (`context_parallel.pad_row`). The packed row is padded to a multiple of T tokens (2 C T under context
 parallelism, so each context part of `engines/context_parallel.py` splits evenly over the
 tensor-parallel ranks), the padding one extra sequence that no real token attends to.
 
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from areal_async.engines import megatron_layout
-from areal_async.engines.context_parallel import all_gather_rows, reduce_scatter_rows
+from areal_async.engines.context_parallel import all_gather_counted, all_gather_rows, reduce_scatter_rows
 
 try:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -64,26 +64,6 @@ QK_NORMS = ("q_layernorm.weight", "k_layernorm.weight")
 def pad_multiple(tensor_parallel: int, context_parallel: int) -> int:
     """Packed rows are padded to a multiple of this many tokens under sequence parallelism."""
     return tensor_parallel * (2 * context_parallel if context_parallel > 1 else 1)
-
-
-def padded_tokens(tokens: int, multiple: int) -> int:
-    return -(-tokens // multiple) * multiple
-
-
-def pad_row(
-    input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int,
-    multiple: int, pad_token_id: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:  # fmt: skip
-    """The packed row `[1, N]` padded to a multiple of `multiple` tokens by one extra sequence of
-    `pad_token_id`: (input_ids, position_ids, cu_seqlens, max_length)."""
-    n = int(input_ids.shape[1])
-    pad = padded_tokens(n, multiple) - n
-    if pad == 0:
-        return input_ids, position_ids, cu_seqlens, max_length
-    input_ids = torch.cat([input_ids, input_ids.new_full((1, pad), pad_token_id)], dim=1)
-    position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], dim=1)
-    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), n + pad)])
-    return input_ids, position_ids, cu_seqlens, max(max_length, pad)
 
 
 def summed_over_tensor_parallel(name: str, sequence_parallel: bool) -> bool:
@@ -188,10 +168,7 @@ class _GatherCounted(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, counts: list[int], group: Any) -> torch.Tensor:
         ctx.counts, ctx.group, ctx.width = counts, group, max(counts)
-        padded = rows.new_zeros((ctx.width, *rows.shape[1:]))
-        padded[: rows.shape[0]] = rows
-        whole = all_gather_rows(padded, group)
-        return torch.cat([whole[r * ctx.width : r * ctx.width + c] for r, c in enumerate(counts)])
+        return all_gather_counted(rows, counts, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
