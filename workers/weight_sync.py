@@ -66,6 +66,14 @@ class WeightSync:
         now = time.monotonic()
         return {k: e for k, e in self.engines.items() if now - e.seen_at <= ttl}
 
+    def heard_lately(self, engine_id: str) -> bool:
+        """Heard from within two heartbeat intervals: fit to join an in-memory group. An engine
+        killed without a word stays live until its TTL ends; in a group it would hold every
+        member for ``transfer_timeout_s`` and fail the transfer."""
+        state = self.engines.get(engine_id)
+        window = 2 * self.cfg.bus.heartbeat_interval_s
+        return state is not None and time.monotonic() - state.seen_at <= window
+
     async def watch_published(self) -> None:
         try:
             served = await self.run_state.weights(WEIGHTS_SERVED)
@@ -202,10 +210,15 @@ class WeightSync:
 
     def load_event(self, version: int, path: str, tell: list[str], *, in_memory: bool) -> WeightsLoad:
         """``weights.load`` for the engines in ``tell``; those that take the version's in-memory
-        offer become the members of the transfer (a group named for its members, its sender and
-        the epoch, so consecutive versions reuse it while nothing changes)."""
+        offer and were heard from lately become the members of the transfer (a group named for its
+        members, its sender and the epoch, so consecutive versions reuse it while nothing changes);
+        the others load the disk copy."""
         offer = self.offer[1] if self.offer is not None and self.offer[0] == version else None
-        members = [k for k in tell if offer is not None and offer.transport in self.engines[k].transports]
+        members = [
+            k
+            for k in tell
+            if offer is not None and offer.transport in self.engines[k].transports and self.heard_lately(k)
+        ]
         if not in_memory or not members or offer is None:
             return WeightsLoad(policy_version=version, path=path, engine_ids=tell)
         ranks = [self.engines[k].ranks for k in members]

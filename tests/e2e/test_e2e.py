@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +146,11 @@ def kill_mid_run(
     total: int,
     batch: int,
     after: int,
+    ready: Callable[[Path], bool] | None = None,
     **sections: Any,
 ) -> tuple[Any, list[Any]]:
-    """A tiny run of ``total`` steps whose ``victim`` role gets SIGKILL after ``after`` steps; checks
+    """A tiny run of ``total`` steps whose ``victim`` role gets SIGKILL after ``after`` steps (and
+    once ``ready(run_dir)`` holds, when given); checks
     that it was restarted once and the run completed with every task trained once within the
     staleness bound, and returns the result and the stored steps."""
     cfg = tiny_config(
@@ -166,7 +169,9 @@ def kill_mid_run(
     started = time.monotonic()
     proc = start_job(cfg)
     try:
-        _wait_for(lambda: steps_done(run_dir) >= after, 240, f"{after} steps")
+        _wait_for(
+            lambda: steps_done(run_dir) >= after and (ready is None or ready(run_dir)), 240, f"{after} steps"
+        )
         os.kill(_pid_of(run_dir, victim), signal.SIGKILL)
     finally:
         res = finish_job(proc, run_dir, started, timeout=600)

@@ -28,8 +28,13 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
     """Every version a running engine loads comes over the gloo group, checked against the trainer's
     digests; SIGKILL of the generation worker mid-run costs nothing: the trainer's broadcast to it
     fails or never starts, its replacement starts from the disk copy, joins a new group and
-    receives the following versions in memory again. Exactly-once and the staleness bound hold."""
+    receives the following versions in memory again. Exactly-once and the staleness bound hold.
+    The dead engine is not made a member of the replacement's group (it went silent)."""
     run_dir = tmp_path / "gloo"
+
+    def loaded_in_memory(run_dir: Path) -> bool:  # the first engine took a version before it dies
+        return any(r.get("via") == "gloo" for r in _log(run_dir, "generation", "weights loaded"))
+
     kill_mid_run(
         tmp_path,
         tiny_model,
@@ -38,6 +43,7 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
         total=8,
         batch=4,
         after=3,
+        ready=loaded_in_memory,
         weight_sync__transport="gloo",
         weight_sync__transfer_timeout_s=10,
     )
@@ -48,6 +54,12 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
     first, second = sorted(by_file, key=lambda f: (run_dir / "logs" / f).stat().st_mtime)
     assert by_file[first] and set(by_file[first]) == {"gloo"}, by_file
     assert "gloo" in by_file[second], f"the replacement engine never received in memory: {by_file}"
+    timeouts = [
+        r
+        for r in _log(run_dir, "trainer", "weight transfer failed; engines fall back to the disk copy")
+        if "timeout" in r["error"]
+    ]
+    assert not timeouts, f"a group waited for a dead member: {timeouts}"
     # Each completed broadcast reached the engine (the killed one may have died before logging it).
     sent = len(_log(run_dir, "trainer", "weights sent"))
     received = sum(r["via"] == "gloo" for r in loads)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 from bus.events import TransferOffer
 from workers.weight_sync import EngineState, WeightSync
 from workers.weight_transfer import group_layout
@@ -14,10 +17,12 @@ def _sync(transport: str = "gloo") -> WeightSync:
         TransferOffer(transport=transport, manifest=[], digests=[], bucket_bytes=1, address="h:1"),
     )
     sync.epoch = 0
+    sync.cfg = SimpleNamespace(bus=SimpleNamespace(heartbeat_interval_s=2.0, heartbeat_ttl_s=10.0))
+    now = time.monotonic()
     sync.engines = {
-        "gen-a": EngineState(4, 0.0, transports=(transport,)),
-        "gen-b": EngineState(4, 0.0, transports=(transport,), ranks=2),  # a remote engine with 2 servers
-        "gen-c": EngineState(4, 0.0),  # takes disk only (e.g. SGLang)
+        "gen-a": EngineState(4, now, transports=(transport,)),
+        "gen-b": EngineState(4, now, transports=(transport,), ranks=2),  # a remote engine with 2 servers
+        "gen-c": EngineState(4, now),  # takes disk only (e.g. SGLang)
     }
     return sync
 
@@ -45,3 +50,15 @@ def test_the_group_name_is_kept_while_nothing_changes_and_changes_with_members_o
     assert sync.load_event(5, "/w/v5", ["gen-a"], in_memory=True).group != first
     sync.epoch += 1
     assert sync.load_event(5, "/w/v5", ["gen-a", "gen-b"], in_memory=True).group != first
+
+
+def test_an_engine_silent_for_two_heartbeat_intervals_is_told_but_loads_the_disk_copy() -> None:
+    """An engine killed without a word is live until its TTL ends; it must not join (and stall) a group."""
+    sync = _sync()
+    sync.engines["gen-b"].seen_at -= 4.5  # live (TTL 10 s) but missed two beats
+    assert set(sync.live_engines()) == {"gen-a", "gen-b", "gen-c"}
+    load = sync.load_event(5, "/w/v5", ["gen-a", "gen-b"], in_memory=True)
+    assert load.engine_ids == ["gen-a", "gen-b"] and load.members == ["gen-a"]
+    assert group_layout(load) == (2, {"gen-a": 1})
+    sync.engines["gen-b"].seen_at = time.monotonic()  # it beat again: back in a (new) group
+    assert sync.load_event(5, "/w/v5", ["gen-a", "gen-b"], in_memory=True).members == ["gen-a", "gen-b"]
