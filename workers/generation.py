@@ -163,6 +163,8 @@ class Generator:
                         await self.engine.load_weights(version, tensors)
                     via = offer.transfer.transport if offer.transfer else "disk"
                 except Exception as exc:  # the disk copy of the same version
+                    if offer.group:  # a group that failed is never waited for again
+                        self.receiver.failed.add(offer.group)
                     fallback = f"{type(exc).__name__}: {exc}"
                     log.warning("in-memory weight transfer failed; loading the disk copy", error=fallback)
                 finally:

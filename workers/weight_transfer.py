@@ -214,13 +214,16 @@ class WeightReceiver:
 
     ``receive`` (worker thread) returns the version's tensors by name, or raises: a group that does
     not form within ``transfer_timeout_s``, a broken broadcast, a handle that cannot be mapped or
-    a digest that differs from the offer are all errors, and the caller loads the disk copy."""
+    a digest that differs from the offer are all errors, and the caller loads the disk copy. A
+    group that failed is refused at once when a later version names it again (the sender refuses
+    it too, so waiting would only cost another ``transfer_timeout_s``)."""
 
     def __init__(self, cfg: RunConfig, device: str | torch.device, worker_id: str) -> None:
         self.device = torch.device(device)
         self.worker_id = worker_id
         self.timeout_s = cfg.weight_sync.transfer_timeout_s
         self.group: tuple[str, Any] | None = None
+        self.failed: set[str] = set()
 
     def receive(self, ev: WeightsLoad) -> dict[str, torch.Tensor]:
         offer = ev.transfer
@@ -234,26 +237,32 @@ class WeightReceiver:
                 raise TransferError("the mapped CUDA IPC buffer differs from the announced digest")
             return unpack(bucket, buffer)
         name = ev.group
-        if self.group is None or self.group[0] != name:
-            self.group = None
-            world_size, first = group_layout(ev)
-            group = open_group(
-                offer.transport,
-                offer.address,
-                name,
-                rank=first[self.worker_id],
-                world_size=world_size,
-                timeout_s=self.timeout_s,
-            )
-            self.group = (name, group)
-        device = torch.device("cpu") if offer.transport == "gloo" else self.device
+        self._refuse_failed(name)
         try:
+            if self.group is None or self.group[0] != name:
+                self.group = None
+                world_size, first = group_layout(ev)
+                group = open_group(
+                    offer.transport,
+                    offer.address,
+                    name,
+                    rank=first[self.worker_id],
+                    world_size=world_size,
+                    timeout_s=self.timeout_s,
+                )
+                self.group = (name, group)
+            device = torch.device("cpu") if offer.transport == "gloo" else self.device
             return receive_buckets(
                 self.group[1], plan_buckets(manifest, offer.bucket_bytes), offer.digests, device
             )
         except Exception:
             self.group = None  # a failed collective leaves the group unusable
+            self.failed.add(name)
             raise
+
+    def _refuse_failed(self, group: str) -> None:
+        if group in self.failed:
+            raise TransferError(f"weight transfer group {group} failed before; loading the disk copy")
 
     def server_call(self, ev: WeightsLoad) -> dict[str, str]:
         """The ``receive_weights`` arguments for a remote engine's servers (``vllm_worker``): they
@@ -261,6 +270,7 @@ class WeightReceiver:
         offer = ev.transfer
         if offer is None or offer.transport not in ("gloo", "nccl"):
             raise TransferError("remote servers receive group transfers only (gloo, nccl)")
+        self._refuse_failed(ev.group)
         world_size, first = group_layout(ev)
         return {
             "backend": offer.transport,

@@ -29,7 +29,7 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
     digests; SIGKILL of the generation worker mid-run costs nothing: the trainer's broadcast to it
     fails or never starts, its replacement starts from the disk copy, joins a new group and
     receives the following versions in memory again. Exactly-once and the staleness bound hold.
-    The dead engine is not made a member of the replacement's group (it went silent)."""
+    The killed engine stalls at most one transfer to its replacement."""
     run_dir = tmp_path / "gloo"
 
     def loaded_in_memory(run_dir: Path) -> bool:  # the first engine took a version before it dies
@@ -54,12 +54,15 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
     first, second = sorted(by_file, key=lambda f: (run_dir / "logs" / f).stat().st_mtime)
     assert by_file[first] and set(by_file[first]) == {"gloo"}, by_file
     assert "gloo" in by_file[second], f"the replacement engine never received in memory: {by_file}"
-    timeouts = [
+    # A group may hold the killed engine while it is still heard from lately (two heartbeat
+    # intervals) if the replacement is back that soon; that costs one timeout, never a second one
+    # for a later version offered to the same group.
+    waits = [
         r
-        for r in _log(run_dir, "trainer", "weight transfer failed; engines fall back to the disk copy")
+        for r in _log(run_dir, "generation", "in-memory weight transfer failed; loading the disk copy")
         if "timeout" in r["error"]
     ]
-    assert not timeouts, f"a group waited for a dead member: {timeouts}"
+    assert len(waits) <= 1, f"the engine waited for a dead member more than once: {waits}"
     # Each completed broadcast reached the engine (the killed one may have died before logging it).
     sent = len(_log(run_dir, "trainer", "weights sent"))
     received = sum(r["via"] == "gloo" for r in loads)

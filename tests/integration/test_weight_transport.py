@@ -187,3 +187,32 @@ def test_the_digest_sees_a_changed_byte_swapped_words_and_a_short_buffer(monkeyp
     assert digest(torch.zeros(8, dtype=torch.uint8)) != digest(torch.zeros(9, dtype=torch.uint8))
     monkeypatch.setattr(weight_transport, "_DIGEST_CHUNK_WORDS", 7)  # chunking does not change it
     assert digest(buf) == base
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_refuses_a_group_that_failed_before_without_waiting_again() -> None:
+    """A later version offered under the name of a group that did not form (a member died) is
+    refused at once: the sender refuses that group too, so waiting would cost another timeout."""
+    sender = WeightSender(
+        SimpleNamespace(  # type: ignore[arg-type]
+            weight_sync=SimpleNamespace(
+                transport="gloo", bucket_mb=1, transfer_timeout_s=1.0, host="127.0.0.1"
+            )
+        ),
+        "cpu",
+    )
+    sender.prepare(4, _weights())
+    load = WeightsLoad(
+        policy_version=4, path="/x", transfer=sender.offer(4), group="g-dead", members=["gen-dead", "gen-1"]
+    )
+    receiver = WeightReceiver(
+        SimpleNamespace(weight_sync=SimpleNamespace(transfer_timeout_s=1.0)), "cpu", "gen-1"
+    )  # type: ignore[arg-type]
+    started = time.monotonic()
+    with pytest.raises(Exception, match="timeout"):  # rank 0 and the dead rank 1 never joined
+        receiver.receive(load)
+    assert time.monotonic() - started >= 0.9
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="g-dead failed before"):
+        receiver.receive(load)  # the next version, offered to the same group
+    assert time.monotonic() - started < 0.2
