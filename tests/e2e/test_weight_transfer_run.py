@@ -46,6 +46,7 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
         ready=loaded_in_memory,
         weight_sync__transport="gloo",
         weight_sync__transfer_timeout_s=10,
+        bus__heartbeat_interval_s=1.0,  # the dead engine leaves groups 2 s after its last word
     )
     loads = [r for r in _log(run_dir, "generation", "weights loaded") if "via" in r]
     by_file: dict[str, list[str]] = {}
@@ -55,8 +56,8 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
     assert by_file[first] and set(by_file[first]) == {"gloo"}, by_file
     assert "gloo" in by_file[second], f"the replacement engine never received in memory: {by_file}"
     # A group may hold the killed engine while it is still heard from lately (two heartbeat
-    # intervals) if the replacement is back that soon; that costs one timeout, never a second one
-    # for a later version offered to the same group.
+    # intervals, 2 s here; the replacement takes over 3 s to start) if the replacement is back that
+    # soon; that costs one timeout, never a second one for a later version offered to the same group.
     waits = [
         r
         for r in _log(run_dir, "generation", "in-memory weight transfer failed; loading the disk copy")
