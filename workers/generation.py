@@ -156,15 +156,12 @@ class Generator:
             if offer is not None and self.receiver is not None:
                 try:
                     if getattr(self.engine, "group_transports", ()):  # remote servers join the group
-                        call = self.receiver.server_call(offer)
-                        await self.engine.load_weights(version, str(location), group=call)
+                        await self.receiver.receive_remote(self.engine, version, str(location), offer)
                     else:
                         tensors = await anyio.to_thread.run_sync(self.receiver.receive, offer)
                         await self.engine.load_weights(version, tensors)
                     via = offer.transfer.transport if offer.transfer else "disk"
                 except Exception as exc:  # the disk copy of the same version
-                    if offer.group:  # a group that failed is never waited for again
-                        self.receiver.failed.add(offer.group)
                     fallback = f"{type(exc).__name__}: {exc}"
                     log.warning("in-memory weight transfer failed; loading the disk copy", error=fallback)
                 finally:

@@ -214,9 +214,10 @@ class WeightReceiver:
 
     ``receive`` (worker thread) returns the version's tensors by name, or raises: a group that does
     not form within ``transfer_timeout_s``, a broken broadcast, a handle that cannot be mapped or
-    a digest that differs from the offer are all errors, and the caller loads the disk copy. A
-    group that failed is refused at once when a later version names it again (the sender refuses
-    it too, so waiting would only cost another ``transfer_timeout_s``)."""
+    a digest that differs from the offer are all errors, and the caller loads the disk copy.
+    ``receive_remote`` does the same for a remote engine's servers. A group that failed either way
+    is refused at once when a later version names it again (the sender refuses it too, so waiting
+    would only cost another ``transfer_timeout_s``)."""
 
     def __init__(self, cfg: RunConfig, device: str | torch.device, worker_id: str) -> None:
         self.device = torch.device(device)
@@ -258,6 +259,16 @@ class WeightReceiver:
         except Exception:
             self.group = None  # a failed collective leaves the group unusable
             self.failed.add(name)
+            raise
+
+    async def receive_remote(self, engine: Any, version: int, location: str, ev: WeightsLoad) -> None:
+        """Have a remote engine's servers receive ``ev``'s version (``server_call``) and load it;
+        a group that fails here is refused at once next time, as in ``receive``."""
+        call = self.server_call(ev)
+        try:
+            await engine.load_weights(version, location, group=call)
+        except Exception:
+            self.failed.add(ev.group)
             raise
 
     def _refuse_failed(self, group: str) -> None:

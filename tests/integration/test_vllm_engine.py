@@ -325,7 +325,7 @@ async def test_a_version_sent_over_gloo_is_what_the_server_serves(
         async with anyio.create_task_group() as tg:
             tg.start_soon(anyio.to_thread.run_sync, sender._broadcast, group, 2, buffers)
             try:
-                await engine.load_weights(version, str(perturbed), group=receiver.server_call(load))
+                await receiver.receive_remote(engine, version, str(perturbed), load)
             except RuntimeError as exc:
                 error = str(exc)
         return error
