@@ -30,13 +30,14 @@ from areal_async.config import MegatronConfig
 from areal_async.engines.batching import TrainSequence
 from areal_async.engines.fsdp import FSDPTrainEngine
 from tests.helpers.fsdp_helpers import as_torchrun_rank, random_batch
+from tests.helpers.numerics import LINEAR_ADAM, assert_same_updates
 from tests.integration.test_fsdp import free_port, pg_loss
 
 pytest.importorskip("megatron.core")
 
 VOCAB = 64
 STEPS = 2
-OPTIONS: dict[str, Any] = {"lr": 1e-3, "total_steps": 10, "micro_batch_tokens": 24, "grad_clip": 1.0}
+OPTIONS: dict[str, Any] = {"total_steps": 10, "micro_batch_tokens": 24, **LINEAR_ADAM}
 SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -139,7 +140,8 @@ def spawn(world: int, out: Path, jobs: list[dict[str, Any]]) -> None:
 def reference(model: Path) -> tuple[FSDPTrainEngine, dict[str, Any]]:
     torch.set_num_threads(1)
     engine = FSDPTrainEngine(model, **OPTIONS)
-    return engine, run_engine(engine, make_batch())
+    before = engine.snapshot_hf()
+    return engine, run_engine(engine, make_batch()) | {"before": before}
 
 
 def assert_same_run(got: dict[str, Any], want: dict[str, Any], seqs_of_rank: slice = slice(None)) -> None:
@@ -154,9 +156,7 @@ def assert_same_run(got: dict[str, Any], want: dict[str, Any], seqs_of_rank: sli
                 key,
             )
     if got["weights"] is not None:
-        assert got["weights"].keys() == want["weights"].keys()
-        for name, tensor in want["weights"].items():
-            torch.testing.assert_close(got["weights"][name], tensor, atol=2e-5, rtol=0, msg=name)
+        assert_same_updates(got["weights"], want["weights"], want["before"], steps=STEPS)
 
 
 def test_megatron_matches_fsdp2_on_each_family_and_tensor_parallel_resumes_at_tp1(
@@ -201,8 +201,8 @@ def test_megatron_matches_fsdp2_on_each_family_and_tensor_parallel_resumes_at_tp
     assert resumed["version"] == STEPS + 1
     for key in ("loss", "grad_norm"):
         assert resumed["resumed"][key] == pytest.approx(tp[0]["next"][key], rel=1e-5, abs=1e-7), key
-    for name, tensor in tp[0]["weights_after"].items():  # the same update: moments and schedule restored
-        torch.testing.assert_close(resumed["weights_after"][name], tensor, atol=1e-6, rtol=0, msg=name)
+    # The same update: moments and schedule restored.
+    assert_same_updates(resumed["weights_after"], tp[0]["weights_after"], tp[0]["weights"], steps=1)
 
 
 def test_two_data_parallel_ranks_match_one_fsdp2_process(models: dict[str, Path], tmp_path: Path) -> None:
@@ -228,8 +228,7 @@ def test_two_data_parallel_ranks_match_one_fsdp2_process(models: dict[str, Path]
         for key in ("loss", "grad_norm"):
             assert resumed["resumed"][key] == pytest.approx(dp2["next"][key], rel=1e-5, abs=1e-7), key
     after = torch.load(tmp_path / "dp2-tp2-rank0.pt", weights_only=False)["weights_after"]
-    for name, tensor in dp2["weights_after"].items():  # the same update: moments and schedule restored
-        torch.testing.assert_close(after[name], tensor, atol=1e-6, rtol=0, msg=name)
+    assert_same_updates(after, dp2["weights_after"], dp2["weights"], steps=1)  # moments and schedule restored
 
 
 def test_checkpoints_refuse_the_other_backend(models: dict[str, Path], tmp_path: Path) -> None:
@@ -319,8 +318,7 @@ def test_context_parallel_matches_fsdp2_and_resumes_without_it(
     resumed = torch.load(tmp_path / "cp-resume-rank0.pt", weights_only=False)
     for key in ("loss", "grad_norm"):
         assert resumed["resumed"][key] == pytest.approx(pair[0]["next"][key], rel=1e-5, abs=1e-7), key
-    for name, tensor in pair[0]["weights_after"].items():
-        torch.testing.assert_close(resumed["weights_after"][name], tensor, atol=1e-6, rtol=0, msg=name)
+    assert_same_updates(resumed["weights_after"], pair[0]["weights_after"], pair[0]["weights"], steps=1)
 
     _, want = reference(models["llama"])
     ranks = [torch.load(tmp_path / f"cp2-pp2-rank{r}.pt", weights_only=False) for r in range(4)]
