@@ -42,9 +42,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from areal_async.engines import attention_triton
-from areal_async.engines.context_parallel import ContextPart, attend_gathered
-from areal_async.engines.varlen import causal_varlen_attn, causal_varlen_attn_qk
+from areal_async.ops import attention_triton
+from areal_async.ops.varlen import causal_varlen_attn, causal_varlen_attn_qk
+from areal_async.training.context_parallel import ContextPart, attend_gathered
 from benchmarks import harness
 
 METRICS: dict[str, harness.Direction] = {"fwd_ms": "lower", "bwd_ms": "lower", "fwd_bwd_tflops": "higher"}

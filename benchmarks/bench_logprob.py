@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from areal_async.engines import logprob_triton, logprobs
+from areal_async.ops import logprob_triton, logprobs
 from benchmarks import harness
 from benchmarks.bench_attention import timed
 

@@ -57,11 +57,11 @@ import torch.distributed as dist
 
 from areal_async.algo.presets import PRESETS, preset_overrides
 from areal_async.config import LossConfig, MegatronConfig
-from areal_async.engines.batching import TrainSequence, pack_micro_batches, pack_tokens
-from areal_async.engines.fsdp import FSDPTrainEngine, LossFn, init_distributed
-from areal_async.learner import global_denominator, make_loss_fn
 from areal_async.logs import configure_logging
 from areal_async.lora import LoraConfig
+from areal_async.training.batching import TrainSequence, pack_micro_batches, pack_tokens
+from areal_async.training.fsdp.engine import FSDPTrainEngine, LossFn, init_distributed
+from areal_async.training.learner import global_denominator, make_loss_fn
 from benchmarks import harness
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -181,7 +181,7 @@ def bench_one(
     )
     engine: Any
     if backend == "megatron":
-        from areal_async.engines.megatron import MegatronTrainEngine
+        from areal_async.training.megatron.engine import MegatronTrainEngine
 
         parallel = MegatronConfig(context_parallel=args.context_parallel)
         engine = MegatronTrainEngine(model_dir, megatron=parallel, **common)  # packed rows always

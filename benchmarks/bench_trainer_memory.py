@@ -174,7 +174,7 @@ class Recorder:
 
 def synthetic_groups(cfg: Any, vocab: int, prompt_len: int, version: int, seed: int) -> list[Any]:
     """``trainer.batch_size`` groups shaped like the demo's, built as ``workers/trainer.py`` does."""
-    from areal_async.learner import GroupSample
+    from areal_async.training.learner import GroupSample
 
     rng = random.Random(seed)
     max_new = cfg.rollout.sampling.max_new_tokens
@@ -222,8 +222,8 @@ async def run(args: argparse.Namespace) -> Recorder:
     """The worker's loop without the bus: ``workers/trainer.py`` ``serve``, ``Trainer.step`` and
     ``Trainer.write_weights`` (the same threads, the same one-slot stream to the writer)."""
     rec = Recorder()
-    from areal_async.learner import Learner, init_trainer_process_group
     from areal_async.run_file import load_config
+    from areal_async.training.learner import Learner, init_trainer_process_group
     from workers.common import resolve_model_path
 
     rec.mark("imports")

@@ -85,7 +85,7 @@ def _base_dir(recorded: str | None, cfg: RunConfig) -> Path:
 
 
 def _write_merged(base_dir: Path, adapter: lora.Adapter, out: Path) -> None:
-    from areal_async.engines.fsdp_weights import TOKENIZER_FILES
+    from areal_async.training.hf_writer import TOKENIZER_FILES
     from areal_async.weights_file import read_safetensors_dir, write_weights_dir
 
     base = read_safetensors_dir(base_dir)

@@ -85,7 +85,7 @@ class Held:
 
 
 def to_sample(scored: ScoredGroup) -> Any:
-    from areal_async.learner import GroupSample
+    from areal_async.training.learner import GroupSample
 
     g = scored.group
     masks = None
@@ -465,7 +465,7 @@ def _restore(cfg: RunConfig, learner: Any) -> set[str]:
 
 
 async def serve(ctx: WorkerContext) -> None:
-    from areal_async.learner import Learner, init_trainer_process_group
+    from areal_async.training.learner import Learner, init_trainer_process_group
 
     cfg = ctx.cfg
     init_trainer_process_group(cfg.trainer.device)
@@ -515,7 +515,7 @@ async def _wake_on_end(ctx: WorkerContext, trainer: Trainer) -> None:
 
 def follow(cfg: RunConfig) -> int:
     """Ranks > 0 of a torchrun trainer: compute what rank 0 broadcasts."""
-    from areal_async.learner import Learner, init_trainer_process_group
+    from areal_async.training.learner import Learner, init_trainer_process_group
 
     init_trainer_process_group(cfg.trainer.device)
     learner = Learner(cfg, resolve_model_path(cfg.model.path))

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_async.engines import attention_triton
-from areal_async.engines.varlen import causal_varlen_attn
+from areal_async.ops import attention_triton
+from areal_async.ops.varlen import causal_varlen_attn
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_async.engines.context_parallel import attend_gathered
-from areal_async.engines.varlen import causal_varlen_attn_qk, varlen_available
+from areal_async.ops.varlen import causal_varlen_attn_qk, varlen_available
+from areal_async.training.context_parallel import attend_gathered
 from tests.helpers.context_parts import padded_rows, parts_of
 
 pytestmark = [

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from areal_async.engines.batching import TrainSequence
-from areal_async.engines.fsdp import FSDPTrainEngine
+from areal_async.training.batching import TrainSequence
+from areal_async.training.fsdp.engine import FSDPTrainEngine
 from tests.helpers.fsdp_helpers import random_batch, write_tiny_llama
 
 pytestmark = [
@@ -95,7 +95,7 @@ def test_packed_varlen_rows_train_like_padded_rows_on_cuda(
 ) -> None:
     """One packed row per micro-batch through a varlen kernel (FlashAttention-2 or the Triton
     kernels) gives the padded rows' logprobs and gradient, within bf16 precision, compiled or not."""
-    from areal_async.engines.varlen import varlen_available
+    from areal_async.ops.varlen import varlen_available
 
     assert varlen_available(torch.device("cuda"), torch.bfloat16)
     batch = make_batch()

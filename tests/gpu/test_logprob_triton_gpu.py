@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_async.engines import logprob_triton
-from areal_async.engines.logprobs import fused_token_logprobs, pick_logprob_fn, token_logprobs
+from areal_async.ops import logprob_triton
+from areal_async.ops.logprobs import fused_token_logprobs, pick_logprob_fn, token_logprobs
 
 pytestmark = [
     pytest.mark.gpu,

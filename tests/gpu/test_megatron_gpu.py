@@ -61,7 +61,7 @@ def _run(engine: Any) -> dict[str, Any]:
 
 
 def _megatron(rank: int, model: Path, out: Path, compile: bool) -> None:
-    from areal_async.engines.megatron import MegatronTrainEngine
+    from areal_async.training.megatron.engine import MegatronTrainEngine
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(out / "inductor"))
     engine = MegatronTrainEngine(model, compile=compile, **OPTIONS)
@@ -70,7 +70,7 @@ def _megatron(rank: int, model: Path, out: Path, compile: bool) -> None:
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_megatron_matches_fsdp2_in_bf16(tmp_path: Path, compile: bool) -> None:
-    from areal_async.engines.fsdp import FSDPTrainEngine
+    from areal_async.training.fsdp.engine import FSDPTrainEngine
 
     model = _model(tmp_path / "model")
     mp.spawn(_megatron, args=(model, tmp_path, compile), nprocs=1, join=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from areal_async.engines.context_parallel import ContextPart
+from areal_async.training.context_parallel import ContextPart
 
 
 def parts_of(lengths: list[int], size: int, device: str = "cpu") -> list[ContextPart]:

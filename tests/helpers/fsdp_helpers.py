@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from areal_async.engines.batching import TrainSequence
+from areal_async.training.batching import TrainSequence
 
 
 def write_tiny_llama(

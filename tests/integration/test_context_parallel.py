@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from areal_async.config import TrainerConfig
-from areal_async.engines.fsdp import init_distributed
+from areal_async.training.fsdp.engine import init_distributed
 from tests.helpers.fsdp_helpers import as_torchrun_rank, write_tiny_llama
 from tests.helpers.numerics import LINEAR_ADAM, assert_same_updates
 from tests.integration.test_fsdp import STEPS, VOCAB, free_port, make_batch, make_engine, pg_loss, ratio_loss

@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from areal_async.checkpoint import load_checkpoint, save_checkpoint
-from areal_async.engines.batching import TrainSequence
-from areal_async.engines.fsdp import FSDPTrainEngine, init_distributed
+from areal_async.training.batching import TrainSequence
+from areal_async.training.checkpoint import load_checkpoint, save_checkpoint
+from areal_async.training.fsdp.engine import FSDPTrainEngine, init_distributed
 from areal_async.weights_file import tensor_sha256
 from tests.helpers.fsdp_helpers import as_torchrun_rank, random_batch, write_tiny_llama
 from tests.helpers.numerics import LINEAR_ADAM, assert_same_updates

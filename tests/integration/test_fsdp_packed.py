@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from areal_async.engines.batching import TrainSequence
-from areal_async.engines.fsdp import FSDPTrainEngine
+from areal_async.training.batching import TrainSequence
+from areal_async.training.fsdp.engine import FSDPTrainEngine
 from tests.helpers.fsdp_helpers import random_batch, write_tiny_llama
 
 VOCAB = 64

@@ -18,11 +18,11 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from areal_async import lora
-from areal_async.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.engines.base import GenerationRequest, SamplingParams
-from areal_async.engines.batching import TrainSequence
-from areal_async.engines.fsdp import FSDPTrainEngine, init_distributed
 from areal_async.engines.local.engine import LocalEngine
+from areal_async.training.batching import TrainSequence
+from areal_async.training.checkpoint import load_checkpoint, save_checkpoint
+from areal_async.training.fsdp.engine import FSDPTrainEngine, init_distributed
 from tests.helpers.fsdp_helpers import random_batch, write_tiny_llama
 from tests.helpers.numerics import LINEAR_ADAM, assert_same_updates
 from tests.integration.test_fsdp import pg_loss

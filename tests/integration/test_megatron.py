@@ -25,10 +25,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from areal_async.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.config import MegatronConfig
-from areal_async.engines.batching import TrainSequence
-from areal_async.engines.fsdp import FSDPTrainEngine
+from areal_async.training.batching import TrainSequence
+from areal_async.training.checkpoint import load_checkpoint, save_checkpoint
+from areal_async.training.fsdp.engine import FSDPTrainEngine
 from tests.helpers.fsdp_helpers import as_torchrun_rank, random_batch
 from tests.helpers.numerics import LINEAR_ADAM, assert_same_updates
 from tests.integration.test_fsdp import free_port, pg_loss
@@ -90,7 +90,7 @@ def run_engine(engine: Any, seqs: list[TrainSequence]) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str, Any]]) -> None:
-    from areal_async.engines.megatron import MegatronTrainEngine
+    from areal_async.training.megatron.engine import MegatronTrainEngine
 
     as_torchrun_rank(rank, world, port)
     try:
@@ -238,7 +238,7 @@ def test_checkpoints_refuse_the_other_backend(models: dict[str, Path], tmp_path:
 
 
 def test_bf16_on_cpu_is_refused_before_anything_starts(models: dict[str, Path]) -> None:
-    from areal_async.engines.megatron import MegatronTrainEngine
+    from areal_async.training.megatron.engine import MegatronTrainEngine
 
     with pytest.raises(
         ValueError, match="trainer.dtype=bfloat16 with trainer.backend=megatron needs trainer.device=cuda"

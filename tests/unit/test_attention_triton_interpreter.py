@@ -16,13 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_async.engines.varlen import pick_attention_kernel
+from areal_async.ops.varlen import pick_attention_kernel
 from tests.helpers.triton_interpreter import needs_triton, run_interpreted
 
 CHECK = r"""
 import json, torch
 import torch.nn.functional as F
-from areal_async.engines import attention_triton as at
+from areal_async.ops import attention_triton as at
 
 at.CONFIG[16] = at.CONFIG[32] = {
     "forward": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
@@ -92,7 +92,7 @@ def test_cpu_trainer_keeps_flash_and_refuses_the_triton_kernels() -> None:
 def test_auto_takes_triton_only_for_tuned_head_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernels run, `auto` takes them for the tuned head sizes and FlashAttention for the
     rest; `triton` with a head size the kernels cannot hold is refused."""
-    from areal_async.engines import triton_support
+    from areal_async.ops import triton_support
 
     monkeypatch.setattr(triton_support, "triton_available", lambda device: True)
     gpu = torch.device("cuda")

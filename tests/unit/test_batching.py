@@ -9,7 +9,7 @@ import torch
 from structlog.testing import capture_logs
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from areal_async.engines.batching import (
+from areal_async.training.batching import (
     TrainSequence,
     collate,
     model_inputs,

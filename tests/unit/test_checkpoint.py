@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from areal_async import checkpoint
-from areal_async.checkpoint import find_latest, load_checkpoint, save_checkpoint
-from areal_async.engines.batching import TrainSequence
-from areal_async.engines.fsdp import FSDPTrainEngine
+from areal_async.training import checkpoint
+from areal_async.training.batching import TrainSequence
+from areal_async.training.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from areal_async.training.fsdp.engine import FSDPTrainEngine
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_async.engines.context_parallel import attend_gathered
-from areal_async.engines.varlen import sdpa_per_sequence
+from areal_async.ops.varlen import sdpa_per_sequence
+from areal_async.training.context_parallel import attend_gathered
 from tests.helpers.context_parts import padded_rows, parts_of
 
 LENGTHS = [5, 1, 13, 2, 9]  # 30 tokens: pieces start inside sequences at every size below

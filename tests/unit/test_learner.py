@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from areal_async.learner import Learner
 from areal_async.run_file import load_config
+from areal_async.training.learner import Learner
 from tests.helpers.fsdp_helpers import write_tiny_llama
 
 

@@ -32,9 +32,9 @@ from areal_async.engines.local import (
     slot_decode_forward,
     slot_prefill_step,
 )
+from areal_async.engines.local.gqa_decode import PACKED_GQA_SDPA, packed_gqa_sdpa
 from areal_async.engines.local.kv import _DecodeRows
 from areal_async.engines.local.slots import _SlotKV
-from areal_async.engines.varlen import PACKED_GQA_SDPA, packed_gqa_sdpa
 from areal_async.models import load_causal_lm
 from tests.helpers.models import build_tiny_model
 

@@ -13,8 +13,8 @@ from tests.helpers.triton_interpreter import needs_triton, run_interpreted
 
 CHECK = r"""
 import json, torch
-from areal_async.engines import logprob_triton
-from areal_async.engines.logprobs import token_logprobs
+from areal_async.ops import logprob_triton
+from areal_async.ops.logprobs import token_logprobs
 
 out = []
 for vocab in (50, logprob_triton.FORWARD_BLOCK * 2 + 13):

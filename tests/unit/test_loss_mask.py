@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from areal_async.config import LossConfig
-from areal_async.engines.batching import TrainSequence, collate
-from areal_async.engines.fsdp import FSDPTrainEngine
-from areal_async.learner import GroupSample, build_sequences, global_denominator, make_loss_fn
+from areal_async.training.batching import TrainSequence, collate
+from areal_async.training.fsdp.engine import FSDPTrainEngine
+from areal_async.training.learner import GroupSample, build_sequences, global_denominator, make_loss_fn
 from bus import events as ev
 from tests.conftest import make_sample_events
 from tests.helpers.models import build_tiny_model

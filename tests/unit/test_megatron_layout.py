@@ -18,8 +18,8 @@ from transformers import (
 )
 
 from areal_async.config import MegatronConfig, TrainerConfig
-from areal_async.engines import megatron_layout as layout
-from areal_async.engines.megatron_layout import MegatronShape
+from areal_async.training.megatron import layout
+from areal_async.training.megatron.layout import MegatronShape
 
 SHAPE = dict(
     vocab_size=48,
@@ -163,7 +163,7 @@ def test_megatron_config_errors_name_the_key_and_the_fix() -> None:
 
 
 def test_a_checkpoint_the_megatron_backend_cannot_read_is_refused_by_name(tmp_path: Path) -> None:
-    from areal_async.engines import megatron_checkpoint
+    from areal_async.training.megatron import checkpoint as megatron_checkpoint
 
     with pytest.raises(ValueError, match="written by trainer.backend=fsdp2, this run uses megatron"):
         megatron_checkpoint.load(None, tmp_path / "engine", {"model": {}})  # type: ignore[arg-type]
@@ -181,7 +181,7 @@ def test_pipeline_schedules_run_every_pass_once_and_never_wait_on_each_other(
     backward after the forward; played together (sends never block, a pass waits only for its
     input), the stages finish: no stage waits on a pass another stage has not scheduled yet. With
     one chunk, stage s holds at most P - s micro-batches' activations (1F1B)."""
-    from areal_async.engines.megatron_pipeline import Stages, schedule
+    from areal_async.training.megatron.pipeline import Stages, schedule
 
     plans = [schedule(Stages(stages, s, tuple(range(stages)), None, chunks), count) for s in range(stages)]
     for s, plan in enumerate(plans):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_async.engines import logprobs
-from areal_async.engines.logprobs import pick_logprob_fn, token_logprobs, token_logprobs_lse
+from areal_async.ops import logprobs
+from areal_async.ops.logprobs import pick_logprob_fn, token_logprobs, token_logprobs_lse
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])

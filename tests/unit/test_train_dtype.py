@@ -6,8 +6,8 @@ import pytest
 import structlog
 import torch
 
-from areal_async.engines import train_setup
-from areal_async.engines.fsdp import FSDPTrainEngine
+from areal_async.training import setup as train_setup
+from areal_async.training.fsdp.engine import FSDPTrainEngine
 
 
 @pytest.mark.parametrize("fast", [True, False])

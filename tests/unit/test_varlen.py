@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areal_async.engines.varlen import ATTN_IMPLEMENTATIONS, packed_attention_forward
+from areal_async.ops.varlen import ATTN_IMPLEMENTATIONS
+from areal_async.training.attention import packed_attention_forward
 
 
 def _inputs(lengths: list[int], heads: int = 4, kv_heads: int = 2, dim: int = 8):

@@ -94,10 +94,10 @@ from areal_async.engines.base import (
     InferenceEngine,
 )
 from areal_async.engines.local.decode_loop import DecodeLoop, _Call, _Sequence, _WeightLoad
+from areal_async.engines.local.gqa_decode import PACKED_GQA_SDPA
 from areal_async.engines.local.kv import _BatchKV
 from areal_async.engines.local.lora_serving import AdapterServing
 from areal_async.engines.local.slots import _SlotKV
-from areal_async.engines.varlen import PACKED_GQA_SDPA
 from areal_async.models import load_causal_lm, torch_dtype
 from areal_async.weights_file import read_safetensors_dir
 

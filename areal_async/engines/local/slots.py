@@ -15,9 +15,9 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from areal_async.engines.local.gqa_decode import PACKED_GQA_SDPA
 from areal_async.engines.local.kv import _cache_name, _DecodeRows
 from areal_async.engines.local.sampling import decode_draws
-from areal_async.engines.varlen import PACKED_GQA_SDPA
 
 log = structlog.get_logger(__name__)
 

@@ -44,19 +44,20 @@ import torch
 import torch.distributed as dist
 
 from areal_async import lora as lora_lib
-from areal_async.engines import context_parallel as context_parallel_lib
-from areal_async.engines import logprobs, varlen
-from areal_async.engines.fsdp_model import TokenLogprobModel
-from areal_async.engines.fsdp_weights import FSDPWeights
-from areal_async.engines.train_loop import LossFn, TrainLoop
-from areal_async.engines.train_setup import (
+from areal_async.lora import LoraConfig
+from areal_async.ops import logprobs, varlen
+from areal_async.training import attention  # noqa: F401  (registers the packed-row attention implementations)
+from areal_async.training import context_parallel as context_parallel_lib
+from areal_async.training.fsdp.model import TokenLogprobModel
+from areal_async.training.fsdp.weights import FSDPWeights
+from areal_async.training.loop import LossFn, TrainLoop
+from areal_async.training.setup import (
     fast_bf16,
     init_distributed,
     lr_factor,
     make_optimizer,
     resolve_train_dtype,
 )
-from areal_async.lora import LoraConfig
 
 log = structlog.get_logger(__name__)
 

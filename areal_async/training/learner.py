@@ -38,12 +38,12 @@ import torch.distributed as dist
 from areal_async.algo.advantages import compute_advantages
 from areal_async.algo.loss import loss_denominator, policy_loss
 from areal_async.config import LossConfig, RunConfig
-from areal_async.engines.batching import TrainSequence
-from areal_async.engines.fsdp import FSDPTrainEngine, LossFn
 from areal_async.models import set_torch_threads
+from areal_async.training.batching import TrainSequence
+from areal_async.training.fsdp.engine import FSDPTrainEngine, LossFn
 
 if TYPE_CHECKING:
-    from areal_async.engines.megatron import MegatronTrainEngine
+    from areal_async.training.megatron.engine import MegatronTrainEngine
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ class Learner:
         )
         self.engine: FSDPTrainEngine | MegatronTrainEngine
         if t.backend == "megatron":
-            from areal_async.engines.megatron import MegatronTrainEngine
+            from areal_async.training.megatron.engine import MegatronTrainEngine
 
             self.engine = MegatronTrainEngine(model_path, megatron=t.megatron, **common)
         else:
@@ -283,7 +283,7 @@ class Learner:
             dtype = getattr(torch, cmd.dtype) if cmd.dtype else None
             return self.engine.snapshot_hf(dtype=dtype, on_device=cmd.on_device)
         if cmd.op == "checkpoint":
-            from areal_async.checkpoint import save_checkpoint
+            from areal_async.training.checkpoint import save_checkpoint
 
             return save_checkpoint(
                 cmd.path, self.engine.version, engine=self.engine, extra=cmd.extra or {}, keep=cmd.keep
@@ -342,7 +342,7 @@ class Learner:
 
     def restore(self, root: Path) -> dict[str, Any] | None:
         """Load the latest checkpoint under ``root`` (every rank calls this); its ``extra`` or None."""
-        from areal_async.checkpoint import find_latest, load_checkpoint
+        from areal_async.training.checkpoint import find_latest, load_checkpoint
 
         if find_latest(root) is None:
             return None
@@ -371,6 +371,6 @@ def summarize(m: dict[str, float]) -> dict[str, float]:
 def init_trainer_process_group(device: str) -> None:
     """Under torchrun (WORLD_SIZE > 1) create the process group; a no-op for one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        from areal_async.engines.fsdp import init_distributed
+        from areal_async.training.fsdp.engine import init_distributed
 
         init_distributed(device)

@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from areal_async.engines import attention_triton, logprobs, sequence_parallel, varlen
-from areal_async.engines.context_parallel import (
+from areal_async.ops import attention_triton, logprobs, varlen
+from areal_async.training.context_parallel import (
     ContextPart,
     attend,
     gather_logprobs,
@@ -44,6 +44,7 @@ from areal_async.engines.context_parallel import (
     pad_row,
     padded_tokens,
 )
+from areal_async.training.megatron import sequence_parallel
 
 
 def hf_rotary_embedding(hf_config: Any, architecture: str) -> nn.Module:

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from areal_async.engines import logprobs
-from areal_async.engines.context_parallel import ContextPart, gather_logprobs
+from areal_async.ops import logprobs
+from areal_async.training.context_parallel import ContextPart, gather_logprobs
 
 
 class TokenLogprobModel(nn.Module):

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from areal_async.engines import megatron_layout
+from areal_async.training.megatron import layout as megatron_layout
 
 if TYPE_CHECKING:
-    from areal_async.engines.megatron import MegatronTrainEngine
+    from areal_async.training.megatron.engine import MegatronTrainEngine
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

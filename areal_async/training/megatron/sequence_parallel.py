@@ -50,8 +50,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from areal_async.engines import megatron_layout
-from areal_async.engines.context_parallel import all_gather_counted, all_gather_rows, reduce_scatter_rows
+from areal_async.training.context_parallel import all_gather_counted, all_gather_rows, reduce_scatter_rows
+from areal_async.training.megatron import layout as megatron_layout
 
 try:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_async.engines.batching import (
+from areal_async.training.batching import (
     ModelInputs,
     TrainSequence,
     collate,

@@ -43,7 +43,7 @@ import structlog
 from areal_async.files import fsync_tree, replace_dir, write_text_atomic
 
 if TYPE_CHECKING:
-    from areal_async.engines.fsdp import FSDPTrainEngine
+    from areal_async.training.fsdp.engine import FSDPTrainEngine
 
 log = structlog.get_logger(__name__)
 

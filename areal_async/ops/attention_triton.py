@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from areal_async.engines.triton_support import tl, triton
+from areal_async.ops.triton_support import tl, triton
 
 LOG2E = 1.4426950408889634
 

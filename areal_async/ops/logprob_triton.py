@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from areal_async.engines.triton_support import tl, triton
+from areal_async.ops.triton_support import tl, triton
 
 FORWARD_BLOCK = 2048
 """Vocabulary entries one forward program reads per loop iteration (H200, 42k x 152k bf16 logits:

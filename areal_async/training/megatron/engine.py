@@ -48,19 +48,22 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_async.config_trainer import MegatronConfig
-from areal_async.engines import logprobs, megatron_checkpoint, megatron_layout, megatron_pipeline, varlen
-from areal_async.engines.fsdp_weights import HFWriter
-from areal_async.engines.megatron_layout import MegatronShape
-from areal_async.engines.megatron_model import (
+from areal_async.ops import logprobs, varlen
+from areal_async.training.hf_writer import HFWriter
+from areal_async.training.loop import TrainLoop
+from areal_async.training.megatron import checkpoint as megatron_checkpoint
+from areal_async.training.megatron import layout as megatron_layout
+from areal_async.training.megatron import pipeline as megatron_pipeline
+from areal_async.training.megatron.layout import MegatronShape
+from areal_async.training.megatron.model import (
     MegatronLogprobModel,
     PackedCoreAttention,
     hf_rotary_embedding,
     vocab_parallel_logprobs,
 )
-from areal_async.engines.megatron_pipeline import StageNames, Stages, gather_to_first
-from areal_async.engines.sequence_parallel import summed_over_tensor_parallel, use_sequence_parallel
-from areal_async.engines.train_loop import TrainLoop
-from areal_async.engines.train_setup import init_distributed, make_optimizer, resolve_train_dtype
+from areal_async.training.megatron.pipeline import StageNames, Stages, gather_to_first
+from areal_async.training.megatron.sequence_parallel import summed_over_tensor_parallel, use_sequence_parallel
+from areal_async.training.setup import init_distributed, make_optimizer, resolve_train_dtype
 
 log = structlog.get_logger(__name__)
 

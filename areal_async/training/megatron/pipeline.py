@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from areal_async.engines.batching import ModelInputs, TrainSequence
+from areal_async.training.batching import ModelInputs, TrainSequence
 
 if TYPE_CHECKING:
-    from areal_async.engines.megatron import MegatronTrainEngine
-    from areal_async.engines.train_loop import LossFn, Prox, UpdateSums
+    from areal_async.training.loop import LossFn, Prox, UpdateSums
+    from areal_async.training.megatron.engine import MegatronTrainEngine
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"

@@ -25,11 +25,7 @@ adapters of the model (the base is `model_path`) and refuse to load into a diffe
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import os
-import shutil
-import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -37,92 +33,14 @@ from typing import Any
 
 import structlog
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from areal_async import lora as lora_lib
-from areal_async.lora import LoraConfig
-from areal_async.weights_file import write_weights_dir
+from areal_async.training.hf_writer import HFWriter
 
 log = structlog.get_logger(__name__)
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
-
 _MODEL_PREFIX = "hf."
-
-
-class HFWriter:
-    """`save_hf` and `write_hf` of both trainer backends; the backend provides `snapshot_hf`."""
-
-    config: Any
-    model_path: Path
-    distributed: bool
-    lora: LoraConfig | None
-
-    def snapshot_hf(
-        self, *, dtype: torch.dtype | None = None, on_device: bool = False
-    ) -> dict[str, torch.Tensor] | None:
-        raise NotImplementedError
-
-    def save_hf(
-        self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
-    ) -> list[dict[str, Any]]:
-        """Write a Hugging Face checkpoint to `path` atomically; return its manifest on every rank.
-
-        Weights are float32 (the master weights) unless `dtype` is given. Collective: all
-        ranks gather the full state dict, rank 0 writes `path.tmp` and renames it to `path`.
-        Equivalent to `snapshot_hf` followed by `write_hf` on rank 0.
-        """
-        tensors = self.snapshot_hf(dtype=dtype)
-        manifest = self.write_hf(path, tensors) if tensors is not None else []
-        if self.distributed:
-            box: list[Any] = [manifest]
-            dist.broadcast_object_list(box, src=0)
-            manifest = box[0]
-        return manifest
-
-    def write_hf(
-        self, path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]
-    ) -> list[dict[str, Any]]:
-        """Write `tensors` (from `snapshot_hf`) as an HF directory at `path`, atomically, or with
-        `lora` as an adapter directory. Rank 0 only.
-
-        Returns the manifest `[{name, shape, dtype, sha256}]`. No collectives, no shared state:
-        safe in a background thread.
-        """
-        start = time.perf_counter()
-        path = Path(path)
-
-        def add_files(tmp: Path) -> None:  # config in the weights' dtype, and the tokenizer
-            config = copy.deepcopy(self.config)
-            config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
-            config.save_pretrained(tmp)
-            for name in TOKENIZER_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, tmp / name)
-
-        if self.lora is not None:
-            manifest = lora_lib.write_adapter_dir(path, tensors, self.lora, base_model=str(self.model_path))
-        else:
-            manifest = write_weights_dir(path, tensors, add_files)
-        log.info(
-            "adapter saved" if self.lora else "weights saved",
-            path=str(path),
-            tensors=len(manifest),
-            seconds=round(time.perf_counter() - start, 3),
-        )
-        return manifest
 
 
 class FSDPWeights(HFWriter):

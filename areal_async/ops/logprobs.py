@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from areal_async.engines import logprob_triton, triton_support
+from areal_async.ops import logprob_triton, triton_support
 
 ENTROPY_ROWS = 1024
 """Rows per block when the torch forms compute the entropy (bounds their float32 [rows, vocab] temporaries)."""
