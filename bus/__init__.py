@@ -20,7 +20,7 @@ for the errors and ``bus.events`` for the wire format.
 
 from bus import events
 from bus.client import Bus, Published
-from bus.connection import ConnectOptions, connect
+from bus.connection import connect
 from bus.embedded import EmbeddedServer, EmbeddedServerError, find_nats_server
 from bus.errors import (
     BusConnectError,
@@ -36,6 +36,7 @@ from bus.errors import (
 )
 from bus.events import DecodeError, decode, encode
 from bus.iterators import Consumer, Delivery, KvEntry, KvWatch, Request, Requests, Subscription
+from bus.options import ConnectOptions
 from bus.subjects import StreamSpec, Subjects, validate_run_name
 
 __all__ = [

@@ -89,7 +89,7 @@ from bus.refusals import Refusals
 from bus.subjects import Streams, StreamSpec, Subjects, subject_suffix
 
 if TYPE_CHECKING:
-    from bus.connection import ConnectOptions
+    from bus.options import ConnectOptions
 
 log = structlog.get_logger()
 
@@ -124,7 +124,8 @@ class Bus:
         publish_s and decode_s (seconds spent)."""
         self._max_msg_size: dict[str, int] = {}
         self._kv: dict[str, KeyValue] = {}
-        self._open: set[BusIterator[Any]] = set()
+        self.open_iterators: set[BusIterator[Any]] = set()
+        """Consumers, subscriptions and watches started and not yet closed; ``close()`` closes them."""
         self._refusals = Refusals(options.user)
 
     def __repr__(self) -> str:
@@ -132,7 +133,7 @@ class Bus:
 
     provision = provision_run  # bus.provision: streams, consumers, KV buckets
 
-    def _permission_denied(self, subject: str) -> None:
+    def permission_denied(self, subject: str) -> None:
         """The server refused ``subject`` (lowercased): fail the requests waiting on it now."""
         self.stats["permission_denied"] += 1
         self._refusals.deny(subject)
@@ -158,7 +159,16 @@ class Bus:
             return False
         return False
 
-    async def _stream_max_msg_size(self, spec: StreamSpec) -> int:
+    def remember_stream_limit(self, stream: str, max_msg_size: int) -> None:
+        """Cache ``stream``'s max_msg_size, as provisioning set it."""
+        self._max_msg_size[stream] = max_msg_size
+
+    def remember_bucket(self, name: str, kv: KeyValue) -> None:
+        """Cache the handle of KV bucket ``name`` (its full name), as provisioning opened it."""
+        self._kv[name] = kv
+
+    async def stream_max_msg_size(self, spec: StreamSpec) -> int:
+        """The stream's max_msg_size (asked of the server once, then cached)."""
         size = self._max_msg_size.get(spec.name)
         if size is None:
             try:
@@ -222,7 +232,7 @@ class Bus:
             await self.nc.publish(subject, payload, headers=headers)
             self.stats["published"] += 1
             return None
-        check_stream_limit(subject, size, spec.name, await self._stream_max_msg_size(spec))
+        check_stream_limit(subject, size, spec.name, await self.stream_max_msg_size(spec))
         try:
             ack = await self._js_publish(subject, spec, payload, headers, msg_id, leader_wait_s)
         except nats.js.errors.APIError as e:
@@ -325,7 +335,7 @@ class Bus:
             )
         return Consumer(self, spec, durable, batch, fetch_timeout)
 
-    async def _delivery(self, msg: Msg) -> Delivery | None:
+    async def delivery(self, msg: Msg) -> Delivery | None:
         """The Delivery of a fetched message; None (dead-lettered and acked) if it does not decode."""
         meta = msg.metadata
         started = time.perf_counter()
@@ -386,7 +396,7 @@ class Bus:
         """Most bytes a dead letter may take: max_payload less the margin, within the stream's limit."""
         limit = self.nc.max_payload - PAYLOAD_MARGIN
         try:
-            stream_limit = await self._stream_max_msg_size(self.subjects.stream(Streams.DEADLETTER))
+            stream_limit = await self.stream_max_msg_size(self.subjects.stream(Streams.DEADLETTER))
         except Exception:  # not provisioned or NATS away: publish() reports it
             return limit
         return min(limit, stream_limit) if stream_limit > 0 else limit
@@ -432,7 +442,8 @@ class Bus:
 
     # -- key-value ----------------------------------------------------------------------------
 
-    async def _bucket(self, bucket: str) -> KeyValue:
+    async def bucket(self, bucket: str) -> KeyValue:
+        """The handle of the run's KV bucket ``bucket`` (its short name), opened once."""
         name = self.subjects.bucket(bucket)
         kv = self._kv.get(name)
         if kv is None:
@@ -445,7 +456,7 @@ class Bus:
 
     async def _kv_call(self, bucket: str, call: Callable[[KeyValue], Awaitable[T]]) -> T:
         """``call(kv)`` on the bucket's handle, riding out a leader election (``while_leaderless``)."""
-        kv = await self._bucket(bucket)
+        kv = await self.bucket(bucket)
         return await while_leaderless(self, f"KV bucket {self.subjects.bucket(bucket)}", lambda: call(kv))
 
     async def kv_get(self, bucket: str, key: str) -> KvEntry | None:
@@ -470,7 +481,7 @@ class Bus:
 
     async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
         """Write only if ``key`` is absent; KvConflict otherwise."""
-        kv = await self._bucket(bucket)
+        kv = await self.bucket(bucket)
         try:
             with self._refusals.raises(self._kv_subject(bucket, key)):
                 revision = await kv.create(key, value)
@@ -480,7 +491,7 @@ class Bus:
 
     async def kv_update(self, bucket: str, key: str, value: bytes, *, last: int) -> int:
         """Compare-and-set: write only if ``key``'s revision is still ``last``; KvConflict otherwise."""
-        kv = await self._bucket(bucket)
+        kv = await self.bucket(bucket)
         try:
             with self._refusals.raises(self._kv_subject(bucket, key)):
                 revision = await kv.update(key, value, last=last)
@@ -508,7 +519,7 @@ class Bus:
 
     async def close(self) -> None:
         """Close iterators, flush and disconnect; bounded by options.drain_timeout_s."""
-        for it in list(self._open):
+        for it in list(self.open_iterators):
             await it.aclose()
         if self.nc.is_closed:
             return

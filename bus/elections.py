@@ -15,21 +15,28 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.client import Client as NATS
 
 from bus.errors import StreamUnavailable
-
-if TYPE_CHECKING:
-    from bus.client import Bus
+from bus.options import ConnectOptions
 
 log = structlog.get_logger()
 
 T = TypeVar("T")
+
+
+class Connected(Protocol):
+    """What riding out an election needs of a ``Bus``: its connection and options."""
+
+    nc: NATS
+    options: ConnectOptions
+
 
 ERR_CLUSTER_NOT_AVAILABLE = 10008  # 503 "JetStream system temporarily unavailable" (no meta leader)
 
@@ -43,7 +50,7 @@ LEADERLESS = (
 stream or consumer has no leader (nats-py's TimeoutError subclasses the builtin one)."""
 
 
-def no_leader(bus: Bus, what: str, waited: float, error: BaseException) -> StreamUnavailable:
+def no_leader(bus: Connected, what: str, waited: float, error: BaseException) -> StreamUnavailable:
     why = (
         "not connected to NATS (reconnecting)"
         if not bus.nc.is_connected
@@ -52,7 +59,7 @@ def no_leader(bus: Bus, what: str, waited: float, error: BaseException) -> Strea
     return StreamUnavailable(f"{what} did not answer for {waited:.1f}s ({error!r}): {why}")
 
 
-async def while_leaderless(bus: Bus, what: str, call: Callable[[], Awaitable[T]]) -> T:
+async def while_leaderless(bus: Connected, what: str, call: Callable[[], Awaitable[T]]) -> T:
     """``call()`` (a JetStream API request), retried while ``what`` has no leader (timeout,
     503) and the client is not closed, up to options.leader_wait_s; then StreamUnavailable."""
     started = time.monotonic()

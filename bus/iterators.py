@@ -19,9 +19,10 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 import anyio
 import nats.errors
@@ -32,13 +33,10 @@ from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.elections import while_leaderless
+from bus.elections import Connected, while_leaderless
 from bus.errors import StreamNotFound
 from bus.events import HEADER_POLICY_VERSION, DecodeError, decode, expected_type
 from bus.subjects import StreamSpec
-
-if TYPE_CHECKING:
-    from bus.client import Bus
 
 log = structlog.get_logger()
 
@@ -51,6 +49,27 @@ messages would lose the connection; the batch is capped to fit this budget."""
 
 CLOSE_TIMEOUT_S = 2.0
 """Upper bound of an iterator's aclose(); what is left is dropped with the connection."""
+
+
+class IteratorHost(Connected, Protocol):
+    """What the iterators need of ``bus.client.Bus``: JetStream, the registry of open iterators,
+    decoding a fetched message, stream limits, KV handles and dead letters."""
+
+    js: JetStreamContext
+    open_iterators: set[BusIterator[Any]]
+
+    async def delivery(self, msg: Msg) -> Delivery | None: ...
+    async def stream_max_msg_size(self, spec: StreamSpec) -> int: ...
+    async def bucket(self, bucket: str) -> KeyValue: ...
+    async def dead_letter(
+        self,
+        subject: str,
+        reason: str,
+        data: bytes,
+        headers: Mapping[str, str] | None = None,
+        *,
+        msg_id: str | None = None,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +95,7 @@ class Delivery:
 
     stream_seq: int
     msg: Msg = field(repr=False)
-    bus: Bus = field(repr=False)
+    bus: IteratorHost = field(repr=False)
 
     @property
     def data(self) -> bytes:
@@ -136,7 +155,7 @@ class BusIterator(Generic[Item]):
     when there is none yet (asked again unless closed), StopAsyncIteration at the end.
     """
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: IteratorHost) -> None:
         self._bus = bus
         self._started = False
         self._closed = False
@@ -155,7 +174,7 @@ class BusIterator(Generic[Item]):
         if not self._started and not self._closed:
             await self._subscribe()
             self._started = True
-            self._bus._open.add(self)
+            self._bus.open_iterators.add(self)
         return self
 
     def __aiter__(self) -> Self:
@@ -174,7 +193,7 @@ class BusIterator(Generic[Item]):
         if self._closed:
             return
         self._closed = True
-        self._bus._open.discard(self)
+        self._bus.open_iterators.discard(self)
         if not self._started or self._bus.nc.is_closed:
             return
         with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
@@ -201,7 +220,9 @@ class Consumer(BusIterator[Delivery]):
     for prompt redelivery.
     """
 
-    def __init__(self, bus: Bus, spec: StreamSpec, durable: str, batch: int, fetch_timeout: float) -> None:
+    def __init__(
+        self, bus: IteratorHost, spec: StreamSpec, durable: str, batch: int, fetch_timeout: float
+    ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         if fetch_timeout <= 0:
@@ -225,7 +246,7 @@ class Consumer(BusIterator[Delivery]):
                 f"consumer {self.durable!r} of stream {self.spec.name} does not exist; "
                 "call bus.provision() first (the controller does at start)"
             ) from None
-        max_msg = await bus._stream_max_msg_size(self.spec)
+        max_msg = await bus.stream_max_msg_size(self.spec)
         if max_msg <= 0:
             max_msg = bus.nc.max_payload
         fit = max(1, FETCH_BYTES_BUDGET // max_msg)
@@ -248,7 +269,7 @@ class Consumer(BusIterator[Delivery]):
         assert self._psub is not None
         if self._buffer:
             try:
-                return await self._bus._delivery(self._buffer.popleft())
+                return await self._bus.delivery(self._buffer.popleft())
             except nats.errors.ConnectionClosedError:
                 raise StopAsyncIteration from None
         try:
@@ -291,7 +312,7 @@ class Subscription(BusIterator[Any]):
     published; a plain ``async for`` subscribes on the first iteration.
     """
 
-    def __init__(self, bus: Bus, subject: str, queue: str, pending_bytes_limit: int) -> None:
+    def __init__(self, bus: IteratorHost, subject: str, queue: str, pending_bytes_limit: int) -> None:
         super().__init__(bus)
         self.subject = subject
         self._queue = queue
@@ -335,7 +356,7 @@ class Request:
     event: Any
     subject: str
     msg: Msg
-    bus: Bus
+    bus: IteratorHost
 
     async def respond(self, event: Any) -> None:
         """Send ``event`` to the requester's inbox; a requester that gave up is not an error."""
@@ -355,14 +376,14 @@ class Requests(Subscription):
 class KvWatch(BusIterator[KvEntry]):
     """Async iterator of KvEntry: the current values first, then every change."""
 
-    def __init__(self, bus: Bus, bucket: str, key: str) -> None:
+    def __init__(self, bus: IteratorHost, bucket: str, key: str) -> None:
         super().__init__(bus)
         self._bucket = bucket
         self._key = key
         self._watcher: KeyValue.KeyWatcher | None = None
 
     async def _subscribe(self) -> None:
-        kv = await self._bus._bucket(self._bucket)
+        kv = await self._bus.bucket(self._bucket)
         self._watcher = await kv.watch(self._key)
 
     async def _unsubscribe(self) -> None:

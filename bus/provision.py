@@ -15,18 +15,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import nats.js.errors
 import structlog
 from nats.js import api
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
 
-from bus.elections import while_leaderless
+from bus.elections import Connected, while_leaderless
 from bus.errors import ProvisionError
-from bus.subjects import Streams, StreamSpec
+from bus.subjects import Streams, StreamSpec, Subjects
 
-if TYPE_CHECKING:
-    from bus.client import Bus
+
+class Provisioning(Connected, Protocol):
+    """What provisioning needs of a ``Bus``: JetStream, the run's names, and where to cache what
+    it created."""
+
+    js: JetStreamContext
+    run: str
+    subjects: Subjects
+
+    def remember_stream_limit(self, stream: str, max_msg_size: int) -> None: ...
+    def remember_bucket(self, name: str, kv: KeyValue) -> None: ...
+
 
 log = structlog.get_logger()
 
@@ -40,7 +52,7 @@ def _per_stream(value: float | int | Mapping[str, Any], key: str, default: Any) 
 
 
 async def provision_run(
-    bus: Bus,
+    bus: Provisioning,
     *,
     replicas: int = 1,
     max_msg_bytes: int | None = None,
@@ -101,7 +113,7 @@ async def provision_run(
             duplicate_window=duplicate_window,
         )
         await _ensure_stream(bus, cfg)
-        bus._max_msg_size[spec.name] = max_msg
+        bus.remember_stream_limit(spec.name, max_msg)
         if spec.consumer is not None:
             await _ensure_consumer(
                 bus,
@@ -147,7 +159,7 @@ async def provision_run(
     )
 
 
-async def _ensure_stream(bus: Bus, cfg: api.StreamConfig) -> api.StreamInfo:
+async def _ensure_stream(bus: Provisioning, cfg: api.StreamConfig) -> api.StreamInfo:
     what = f"stream {cfg.name}"
     try:
         return await while_leaderless(bus, what, lambda: bus.js.add_stream(cfg))
@@ -165,7 +177,7 @@ async def _ensure_stream(bus: Bus, cfg: api.StreamConfig) -> api.StreamInfo:
     return info
 
 
-async def _ensure_consumer(bus: Bus, spec: StreamSpec, cfg: api.ConsumerConfig) -> None:
+async def _ensure_consumer(bus: Provisioning, spec: StreamSpec, cfg: api.ConsumerConfig) -> None:
     try:
         await while_leaderless(
             bus, f"consumer {cfg.durable_name} of {spec.name}", lambda: bus.js.add_consumer(spec.name, cfg)
@@ -178,10 +190,12 @@ async def _ensure_consumer(bus: Bus, spec: StreamSpec, cfg: api.ConsumerConfig) 
         ) from e
 
 
-async def _ensure_bucket(bus: Bus, cfg: api.KeyValueConfig) -> None:
+async def _ensure_bucket(bus: Provisioning, cfg: api.KeyValueConfig) -> None:
     what = f"KV bucket {cfg.bucket}"
     try:
-        bus._kv[cfg.bucket] = await while_leaderless(bus, what, lambda: bus.js.create_key_value(cfg))
+        bus.remember_bucket(
+            cfg.bucket, await while_leaderless(bus, what, lambda: bus.js.create_key_value(cfg))
+        )
         return
     except nats.js.errors.KeyValueLimitMarkerTTLNotSupportedError:
         log.warning("kv limit markers unsupported, expiry is silent to watchers", bucket=cfg.bucket)
@@ -205,5 +219,5 @@ async def _ensure_bucket(bus: Bus, cfg: api.KeyValueConfig) -> None:
             f"KV bucket {cfg.bucket} exists with a config that cannot be changed in place "
             f"({e.description}); delete it (`nats kv rm {cfg.bucket}`) or use a new run name"
         ) from e
-    bus._kv[cfg.bucket] = await while_leaderless(bus, what, lambda: bus.js.key_value(cfg.bucket))
+    bus.remember_bucket(cfg.bucket, await while_leaderless(bus, what, lambda: bus.js.key_value(cfg.bucket)))
     log.info("kv bucket updated", bucket=cfg.bucket)

@@ -43,7 +43,7 @@ import structlog
 from areal_async.files import fsync_tree, replace_dir, write_text_atomic
 
 if TYPE_CHECKING:
-    from areal_async.training.fsdp.engine import FSDPTrainEngine
+    from areal_async.training.base import TrainEngine
 
 log = structlog.get_logger(__name__)
 
@@ -124,7 +124,7 @@ def save_checkpoint(
     root: str | os.PathLike[str],
     step: int,
     *,
-    engine: FSDPTrainEngine,
+    engine: TrainEngine,
     extra: dict[str, Any],
     keep: int = 2,
 ) -> Path:
@@ -187,7 +187,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    root: str | os.PathLike[str], *, engine: FSDPTrainEngine, path: str | os.PathLike[str] | None = None
+    root: str | os.PathLike[str], *, engine: TrainEngine, path: str | os.PathLike[str] | None = None
 ) -> dict[str, Any]:
     """Restore engine state, RNG and policy version from `path` (default: `find_latest(root)`); return `extra`.
 

@@ -43,7 +43,7 @@ from areal_async.training.batching import TrainSequence
 from areal_async.training.fsdp.engine import FSDPTrainEngine, LossFn
 
 if TYPE_CHECKING:
-    from areal_async.training.megatron.engine import MegatronTrainEngine
+    from areal_async.training.base import TrainEngine
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class Learner:
             seed=cfg.seed,
             temperature=temperature,
         )
-        self.engine: FSDPTrainEngine | MegatronTrainEngine
+        self.engine: TrainEngine
         if t.backend == "megatron":
             from areal_async.training.megatron.engine import MegatronTrainEngine
 

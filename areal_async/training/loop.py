@@ -115,7 +115,7 @@ class TrainLoop:
 
     # ----------------------------------------------------------------- helpers
 
-    def _autocast(self) -> torch.autocast:
+    def autocast(self) -> torch.autocast:
         return torch.autocast(
             self.device.type,
             dtype=self.autocast_dtype or torch.float32,
@@ -143,11 +143,11 @@ class TrainLoop:
         self, mb: dict[str, torch.Tensor], inputs: ModelInputs, *, with_entropy: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`[b, T]` logprobs and entropy of `mb`'s completion tokens (collate's layout), zero elsewhere."""
-        with self._autocast():
+        with self.autocast():
             logprobs_N, entropy_N = self.model(*inputs.model_args(), with_entropy)
-        return self._to_BT(mb["input_ids"].shape, inputs, logprobs_N, entropy_N)
+        return self.to_BT(mb["input_ids"].shape, inputs, logprobs_N, entropy_N)
 
-    def _to_BT(
+    def to_BT(
         self, shape: torch.Size, inputs: ModelInputs, logprobs_N: torch.Tensor, entropy_N: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's `[n]` logprobs and entropy placed at their tokens of the `[b, T]` batch."""
@@ -156,7 +156,7 @@ class TrainLoop:
         entropy_BT = base.index_put((inputs.target_index,), entropy_N).view(shape)
         return logprobs_BT, entropy_BT
 
-    def _empty_batch(self) -> tuple[dict[str, torch.Tensor], ModelInputs]:
+    def empty_batch(self) -> tuple[dict[str, torch.Tensor], ModelInputs]:
         """A two-token pass with no completion token (keeps ranks' collectives in step)."""
         ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long, device=self.device)
         none = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -170,7 +170,7 @@ class TrainLoop:
         )
         return {"input_ids": ids}, inputs
 
-    def _collate(self, seqs: Sequence[TrainSequence]) -> tuple[dict[str, torch.Tensor], ModelInputs]:
+    def collate_batch(self, seqs: Sequence[TrainSequence]) -> tuple[dict[str, torch.Tensor], ModelInputs]:
         """The loss batch (collate's `[b, T]` tensors) and the model's inputs, on the device."""
         mb = collate(seqs, pad_token_id=self.pad_token_id)
         inputs = model_inputs(seqs, mb["input_ids"], packed=self.packed).to(self.device)
@@ -181,18 +181,18 @@ class TrainLoop:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _loss_batch(
+    def loss_batch(
         self, seqs: Sequence[TrainSequence], bin_: list[int], done: Prox
     ) -> tuple[dict[str, torch.Tensor], ModelInputs]:
         """The loss batch and model inputs of `bin_`: `_logprob_pass`'s (with its pi_prox as
         `prox_logprobs`) when `done` holds them, else collated now."""
         if done is None:
-            return self._collate([seqs[i] for i in bin_])
+            return self.collate_batch([seqs[i] for i in bin_])
         mb, inputs, prox_BT = done
         mb["prox_logprobs"] = prox_BT
         return mb, inputs
 
-    def _add_loss(
+    def add_loss(
         self, sums: UpdateSums, mb: dict[str, torch.Tensor], loss_fn: LossFn, denominator: torch.Tensor
     ) -> torch.Tensor:
         """Run `loss_fn` on `mb` (which holds `logprobs` and `entropy`) and add its loss, the trained
@@ -212,7 +212,7 @@ class TrainLoop:
                 stats_acc[key] = stats_acc[key] + v
         return loss
 
-    def _new_sums(self) -> UpdateSums:
+    def new_sums(self) -> UpdateSums:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         return zero, zero.clone(), {}
 
@@ -226,18 +226,18 @@ class TrainLoop:
     ) -> UpdateSums:
         """Forward, loss and backward of every bin (an empty pass for None), in order; returns the
         summed loss, the summed entropy of trained tokens and loss_fn's accumulated stats."""
-        sums = self._new_sums()
+        sums = self.new_sums()
         self.model.train()
         for k, bin_ in enumerate(bins):
             if bin_ is None:
-                logprobs_BT, _ = self._forward(*self._empty_batch())
+                logprobs_BT, _ = self._forward(*self.empty_batch())
                 (logprobs_BT.sum() * 0.0).backward()
                 continue
             done, prox[k] = prox[k], None  # each batch lives until its update only
-            mb, inputs = self._loss_batch(seqs, bin_, done)
+            mb, inputs = self.loss_batch(seqs, bin_, done)
             logprobs_BT, entropy_BT = self._forward(mb, inputs)
             mb.update(logprobs=logprobs_BT, entropy=entropy_BT)
-            self._add_loss(sums, mb, loss_fn, denominator).backward()
+            self.add_loss(sums, mb, loss_fn, denominator).backward()
         return sums
 
     # ------------------------------------------------------------------ public
@@ -250,10 +250,10 @@ class TrainLoop:
         out: list[Prox] = []
         for bin_ in bins:
             if bin_ is None:
-                self._forward(*self._empty_batch(), with_entropy=False)
+                self._forward(*self.empty_batch(), with_entropy=False)
                 out.append(None)
                 continue
-            mb, inputs = self._collate([seqs[i] for i in bin_])
+            mb, inputs = self.collate_batch([seqs[i] for i in bin_])
             logprobs_BT, _ = self._forward(mb, inputs, with_entropy=False)
             out.append((mb, inputs, logprobs_BT))
         return out

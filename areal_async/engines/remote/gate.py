@@ -12,12 +12,16 @@ Like the engine, a gate belongs to the event loop the engine runs on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 
-if TYPE_CHECKING:
-    from areal_async.engines.remote.pool import Server
+
+class Server(Protocol):
+    """What the gate counts on a server (`pool.Server` satisfies it)."""
+
+    inflight: int
+    attempts: int
 
 
 class Gate:

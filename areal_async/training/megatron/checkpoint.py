@@ -20,16 +20,32 @@ schedule and version. Both are collective over the trainer's ranks.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from areal_async.training.megatron import layout as megatron_layout
+from areal_async.training.megatron.pipeline import StageNames
 
-if TYPE_CHECKING:
-    from areal_async.training.megatron.engine import MegatronTrainEngine
+
+class ShardedState(Protocol):
+    """What a checkpoint reads and restores of an engine (`MegatronTrainEngine` satisfies it)."""
+
+    named: dict[str, nn.Parameter]
+    """This rank's parameters by megatron-core name (the stage's own names)."""
+    names: StageNames
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    version: int
+    tp_size: int
+    tp_group: Any
+    device: torch.device
+
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -45,7 +61,7 @@ def _pieces(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor, in
 class _Layout:
     """This rank's view of the checkpoint: which keys it writes or reads, and how they are sharded."""
 
-    def __init__(self, engine: MegatronTrainEngine) -> None:
+    def __init__(self, engine: ShardedState) -> None:
         self.engine = engine
         self.mesh = None
         if engine.tp_size > 1:
@@ -89,7 +105,7 @@ class _Layout:
         return out
 
 
-def save(engine: MegatronTrainEngine, path: Path) -> dict[str, Any]:
+def save(engine: ShardedState, path: Path) -> dict[str, Any]:
     """Write the sharded weights and moments under `path`; return the replicated state. Collective."""
     layout = _Layout(engine)
     state = engine.optimizer.state
@@ -112,7 +128,7 @@ def save(engine: MegatronTrainEngine, path: Path) -> dict[str, Any]:
     }
 
 
-def load(engine: MegatronTrainEngine, path: Path, state: dict[str, Any]) -> None:
+def load(engine: ShardedState, path: Path, state: Mapping[str, Any]) -> None:
     """Restore what `save` wrote (at any parallel layout) and its replicated `state`. Collective."""
     if state.get("backend") != "megatron":
         raise ValueError(

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -497,6 +498,6 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         returns the replicated state for the caller to store. Collective."""
         return megatron_checkpoint.save(self, path)
 
-    def load_sharded(self, path: Path, state: dict[str, Any]) -> None:
+    def load_sharded(self, path: Path, state: Mapping[str, Any]) -> None:
         """Restore `save_sharded`'s checkpoint at any parallel layout. Collective."""
         megatron_checkpoint.load(self, path, state)

@@ -33,16 +33,40 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from areal_async.training.batching import ModelInputs, TrainSequence
+from areal_async.training.loop import LossFn, Prox, UpdateSums
+from areal_async.training.megatron.layout import MegatronShape
+from areal_async.training.megatron.model import MegatronLogprobModel
 
-if TYPE_CHECKING:
-    from areal_async.training.loop import LossFn, Prox, UpdateSums
-    from areal_async.training.megatron.engine import MegatronTrainEngine
+
+class StagedLoop(Protocol):
+    """What the schedule runs on: a `TrainLoop` (its micro-batch pieces) with a stage of the model.
+    `MegatronTrainEngine` satisfies it."""
+
+    model: MegatronLogprobModel
+    shape: MegatronShape
+    stages: Stages
+    device: torch.device
+
+    def autocast(self) -> torch.autocast: ...
+    def new_sums(self) -> UpdateSums: ...
+    def empty_batch(self) -> tuple[dict[str, torch.Tensor], ModelInputs]: ...
+    def collate_batch(self, seqs: Sequence[TrainSequence]) -> tuple[dict[str, torch.Tensor], ModelInputs]: ...
+    def loss_batch(
+        self, seqs: Sequence[TrainSequence], bin_: list[int], done: Prox
+    ) -> tuple[dict[str, torch.Tensor], ModelInputs]: ...
+    def add_loss(
+        self, sums: UpdateSums, mb: dict[str, torch.Tensor], loss_fn: LossFn, denominator: torch.Tensor
+    ) -> torch.Tensor: ...
+    def to_BT(
+        self, shape: torch.Size, inputs: ModelInputs, logprobs_N: torch.Tensor, entropy_N: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -150,14 +174,14 @@ class P2P:
         self.pending.clear()
 
 
-def _hidden_shape(engine: MegatronTrainEngine, inputs: ModelInputs) -> tuple[int, int, int]:
+def _hidden_shape(engine: StagedLoop, inputs: ModelInputs) -> tuple[int, int, int]:
     return (engine.model.stage_tokens(int(inputs.input_ids.shape[1])), 1, engine.shape.hidden_size)
 
 
 def _stage(
-    engine: MegatronTrainEngine, inputs: ModelInputs, x: torch.Tensor | None, with_entropy: bool, chunk: int
+    engine: StagedLoop, inputs: ModelInputs, x: torch.Tensor | None, with_entropy: bool, chunk: int
 ) -> Any:
-    with engine._autocast():
+    with engine.autocast():
         return engine.model.stage_forward(*inputs.model_args(), with_entropy, x, chunk)
 
 
@@ -187,7 +211,7 @@ def schedule(stages: Stages, count: int) -> list[tuple[str, int, int]]:
 
 
 def update_passes(
-    engine: MegatronTrainEngine,
+    engine: StagedLoop,
     seqs: Sequence[TrainSequence],
     bins: list[list[int] | None],
     prox: list[Prox],
@@ -196,7 +220,7 @@ def update_passes(
 ) -> UpdateSums:
     """`TrainLoop._update_passes` over pipeline stages (`schedule`); the sums are the last stage's."""
     stages, p2p = engine.stages, P2P(engine.stages, engine.device)
-    sums = engine._new_sums()
+    sums = engine.new_sums()
     engine.model.train()
     if stages.chunks > 1:  # interleaving runs micro-batches in groups of `size`
         bins = bins + [None] * (-len(bins) % stages.size)
@@ -209,10 +233,10 @@ def update_passes(
         bin_ = bins[k]
         if k not in batches:  # collated at the micro-batch's first chunk, kept until its last backward
             if bin_ is None:
-                batches[k] = engine._empty_batch()
+                batches[k] = engine.empty_batch()
             else:
                 done, prox[k] = prox[k], None
-                batches[k] = engine._loss_batch(seqs, bin_, done)
+                batches[k] = engine.loss_batch(seqs, bin_, done)
         mb, inputs = batches[k]
         x = None
         if not stages.holds_embedding(chunk):
@@ -222,12 +246,12 @@ def update_passes(
             p2p.send(out, forward=True)
             kept[k, chunk] = (x, out)
             return
-        logprobs_BT, entropy_BT = engine._to_BT(mb["input_ids"].shape, inputs, *out)
+        logprobs_BT, entropy_BT = engine.to_BT(mb["input_ids"].shape, inputs, *out)
         if bin_ is None:
             kept[k, chunk] = (x, logprobs_BT.sum() * 0.0)
             return
         mb.update(logprobs=logprobs_BT, entropy=entropy_BT)
-        kept[k, chunk] = (x, engine._add_loss(sums, mb, loss_fn, denominator))
+        kept[k, chunk] = (x, engine.add_loss(sums, mb, loss_fn, denominator))
 
     def backward(k: int, chunk: int) -> None:
         x, out = kept.pop((k, chunk))
@@ -249,7 +273,7 @@ def update_passes(
 
 @torch.no_grad()
 def logprob_passes(
-    engine: MegatronTrainEngine, seqs: Sequence[TrainSequence], bins: list[list[int] | None]
+    engine: StagedLoop, seqs: Sequence[TrainSequence], bins: list[list[int] | None]
 ) -> list[Prox]:
     """`TrainLoop._logprob_pass` over pipeline stages: the last stage's logprobs, zeros elsewhere.
     Each micro-batch goes through every chunk before the next starts."""
@@ -257,7 +281,7 @@ def logprob_passes(
     engine.model.eval()
     out: list[Prox] = []
     for bin_ in bins:
-        mb, inputs = engine._empty_batch() if bin_ is None else engine._collate([seqs[i] for i in bin_])
+        mb, inputs = engine.empty_batch() if bin_ is None else engine.collate_batch([seqs[i] for i in bin_])
         shape = mb["input_ids"].shape
         logprobs_BT = torch.zeros(shape, dtype=torch.float32, device=engine.device)
         for chunk in range(stages.chunks):
@@ -268,7 +292,7 @@ def logprob_passes(
             )
             res = _stage(engine, inputs, x, False, chunk)
             if stages.holds_head(chunk):
-                logprobs_BT, _ = engine._to_BT(shape, inputs, *res)
+                logprobs_BT, _ = engine.to_BT(shape, inputs, *res)
             else:
                 p2p.send(res, forward=True)
         out.append(None if bin_ is None else (mb, inputs, logprobs_BT))
