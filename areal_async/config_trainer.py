@@ -121,7 +121,7 @@ class LossConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MegatronConfig:
-    """Parallelism of ``trainer.backend: megatron`` (``areal_async/engines/megatron.py``). The trainer's
+    """Parallelism of ``trainer.backend: megatron`` (``areal_async/training/megatron/engine.py``). The trainer's
     ranks not used by model parallelism are data-parallel ranks."""
 
     tensor_parallel: int = 1
@@ -130,7 +130,7 @@ class MegatronConfig:
 
     pipeline_parallel: int = 1
     """Pipeline stages (must divide the layers); the product with tensor_parallel must divide the
-    trainer's ranks. Stages pass hidden states point to point (engines/megatron_pipeline.py)."""
+    trainer's ranks. Stages pass hidden states point to point (training/megatron/pipeline.py)."""
 
     virtual_pipeline: int = 1
     """Model chunks per pipeline stage (interleaved stages, megatron's virtual pipeline): stage s
@@ -139,7 +139,7 @@ class MegatronConfig:
     P x V must divide the layers."""
 
     context_parallel: int = 1
-    """Ranks each packed row is split over (engines/context_parallel.py): each holds 1/C of its tokens
+    """Ranks each packed row is split over (training/context_parallel.py): each holds 1/C of its tokens
     and attends to the others' keys and values. The product tensor_parallel x pipeline_parallel x
     context_parallel must divide the trainer's ranks."""
 
@@ -147,7 +147,7 @@ class MegatronConfig:
     """Between the tensor-parallel layers (embedding output, norms, residual adds, the hidden states
     sent between pipeline stages) each tensor-parallel rank holds 1/tensor_parallel of the packed
     row's tokens: all-gathered before QKV and fc1, reduce-scattered after the attention output and
-    fc2, so it communicates as plain tensor parallelism does (engines/sequence_parallel.py). Rows
+    fc2, so it communicates as plain tensor parallelism does (training/megatron/sequence_parallel.py). Rows
     are padded to a multiple of tensor_parallel tokens (2 x context_parallel x tensor_parallel with
     context parallelism). Needs tensor_parallel > 1."""
 
@@ -233,7 +233,7 @@ class TrainerConfig:
     Each weights version is then an adapter directory of a few MB."""
 
     context_parallel: int = 1
-    """fsdp2: ranks each packed row of tokens is split over (``engines/context_parallel.py``), for
+    """fsdp2: ranks each packed row of tokens is split over (``training/context_parallel.py``), for
     sequences whose activations do not fit one rank; must divide trainer.num_ranks (a group stays
     within a node). The megatron backend takes ``trainer.megatron.context_parallel`` instead."""
 

@@ -1,6 +1,6 @@
 """Benchmark causal attention over packed rows (forward + backward) with each kernel torch offers.
 
-Packed micro-batches (several sequences back to back in one row, `engines/varlen.py`) need a
+Packed micro-batches (several sequences back to back in one row, `ops/varlen.py`) need a
 varlen kernel. This script times the candidates on one packed micro-batch of sequences with
 lengths drawn from [--min-len, --max-len] until --tokens are filled, for each head shape in --shapes
 (query heads x K/V heads x head size):
@@ -10,10 +10,10 @@ lengths drawn from [--min-len, --max-len] until --tokens are filled, for each he
 - `cudnn_varlen`: cuDNN ragged attention (`aten._cudnn_attention_forward/backward` with cumulative
   sequence lengths); K/V heads repeated to the query heads, their gradients summed back
   (torch's own `varlen_attn` keeps this path switched off)
-- `triton_varlen`: this project's Triton kernels (`engines/attention_triton.py`), grouped K/V in
+- `triton_varlen`: this project's Triton kernels (`ops/attention_triton.py`), grouped K/V in
   place; `--sweep` also times each launch shape in `SWEEP` for each of its three kernels
 - `cp_fused` / `cp_sdpa`: the same row split over `--context-parallel` ranks
-  (`engines/context_parallel.py`), every rank's queries in turn attending to the gathered keys: one
+  (`training/context_parallel.py`), every rank's queries in turn attending to the gathered keys: one
   FlashAttention-2 varlen call over the rank's pieces, or SDPA piece by piece; the times are the
   whole group's work on one GPU (a rank takes about 1/C of it)
 - `flex_varlen`: FlexAttention (`torch.nn.attention.flex_attention`, compiled Triton kernels) over the

@@ -1,6 +1,6 @@
 """Benchmark the token-logprob forms of the trainer (forward with entropy, and backward) on CUDA.
 
-Each form (`engines/logprobs.py`) takes `--rows` bf16 hidden states through a bf16 lm_head of
+Each form (`ops/logprobs.py`) takes `--rows` bf16 hidden states through a bf16 lm_head of
 `--vocab` outputs and returns the float32 logprob of one target per row and the row entropy, as
 the training step does for the completion tokens of one micro-batch. Reports median forward and
 backward milliseconds (CUDA events, after two warm-ups), the bandwidth that the passes over the

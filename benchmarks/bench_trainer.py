@@ -27,7 +27,7 @@ per layer and sequence of length L), as PaLM-style MFU does.
 the second), back to back on the same batch.
 
 Under torchrun every rank runs the case on its data-parallel shard of the batch;
-`--context-parallel C` splits every packed row over runs of C ranks (`engines/context_parallel.py`).
+`--context-parallel C` splits every packed row over runs of C ranks (`training/context_parallel.py`).
 Times are the slowest rank's, `peak_mem_gb` the largest rank's, MFU per rank; rank 0 prints:
 
   # CPU, one 2,048-token sequence, per-rank memory with its row split over two ranks

@@ -1,6 +1,6 @@
 """Causal attention over packed rows in Triton (CUDA): forward and backward, grouped K/V heads.
 
-The packed training row holds several sequences back to back (`engines/varlen.py`); every token
+The packed training row holds several sequences back to back (`ops/varlen.py`); every token
 attends causally to the tokens of its own sequence only. This module computes that attention
 from `q [N, H, D]`, `k, v [N, Hk, D]` (H a multiple of Hk: grouped-query attention) and the
 int32 sequence bounds `cu_seqlens [S + 1]`, in one program per (block of rows, sequence, head):

@@ -78,7 +78,7 @@ def packed_attention_forward(
     q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query, key, value))
     part = kwargs.get("context_part")
     fused = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-    if part is not None:  # this rank's part of the row (engines/context_parallel.py)
+    if part is not None:  # this rank's part of the row (training/context_parallel.py)
         pieces = causal_varlen_attn_qk if fused else None
         out_NHD = context_parallel.attend(q_NHD, k_NHD, v_NHD, part, scaling, pieces)
     elif fused:

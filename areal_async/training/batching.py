@@ -29,7 +29,7 @@ own and a warning.
 `pack_tokens` bins for packed rows instead, by total tokens, and `model_inputs` lays a
 micro-batch out for the model (`ModelInputs`): collate's padded rows, or one packed row of
 the sequences back to back, which wastes no compute on padding and needs attention that
-keeps sequences apart (`engines/varlen.py`). Either way the loss sees collate's layout.
+keeps sequences apart (`training/attention.py`). Either way the loss sees collate's layout.
 
 Legend: B/b rows (sequences), T padded length, C completion length, P prompt length,
 N tokens of a packed row.
@@ -251,7 +251,7 @@ class ModelInputs:
     """Longest sequence (packed rows)."""
 
     def model_args(self) -> tuple[Any, ...]:
-        """The model contract's positional arguments (engines/train_loop.py), before `with_entropy`."""
+        """The model contract's positional arguments (training/loop.py), before `with_entropy`."""
         return (self.input_ids, self.position_ids, self.hidden_index, self.cu_seqlens, self.max_length)
 
     def to(self, device: torch.device) -> ModelInputs:

@@ -24,7 +24,7 @@ and in backward each rank keeps the gradient of its own part. The loss therefore
 identically on every rank of the group, as on tensor-parallel ranks, and its sums are counted once
 (the training loop sums over the data-parallel group only); parameter gradients, each rank's share
 of the tokens, are summed over the data-parallel x context-parallel ranks (FSDP2 reduces over every
-rank; `engines/megatron.py` over its data-parallel x context-parallel group).
+rank; `training/megatron/engine.py` over its data-parallel x context-parallel group).
 
 `groups(size)` builds the groups for a backend without megatron-core's parallel state: the
 context-parallel groups are runs of `size` consecutive ranks, the data-parallel groups take one

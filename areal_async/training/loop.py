@@ -1,7 +1,7 @@
 """The training loop both trainer backends share: micro-batching, pi_prox, the loss, the optimizer step.
 
 `TrainLoop` is the part of a training engine that does not depend on how the model is built or
-sharded. A backend (`engines/fsdp.py`: FSDP2 over a Hugging Face model; `engines/megatron.py`:
+sharded. A backend (`training/fsdp/engine.py`: FSDP2 over a Hugging Face model; `training/megatron/engine.py`:
 megatron-core with tensor parallelism) sets the state it reads (`model`, `params`, `optimizer`,
 `scheduler`, `device`, `autocast_dtype`, `packed`, `micro_batch_tokens`, `pad_token_id`,
 `grad_clip`, `version`, the ranks) and may override `_clip_gradients`.

@@ -5,17 +5,17 @@ Under torchrun (`init_distributed` creates the group: gloo on CPU, NCCL on GPU) 
 decoder layer and then the root are wrapped with `fully_shard`, parameters are sharded
 over the ranks and gradients are summed (not averaged) across ranks.
 
-Data, loss and model contracts, micro-batching and the optimizer step: `engines/train_loop.py`
+Data, loss and model contracts, micro-batching and the optimizer step: `training/loop.py`
 (`TrainLoop`); this module builds the model, shards it and owns its optimizer. Every rank is a
 data-parallel rank here, so `dp_rank`/`dp_size` are the rank and world size, unless
 `context_parallel` C > 1: then runs of C consecutive ranks share each packed row
-(`engines/context_parallel.py`), get the same shard of the batch (`dp_rank` = rank // C), and
+(`training/context_parallel.py`), get the same shard of the batch (`dp_rank` = rank // C), and
 their gradients are summed with everyone's by FSDP2's reduction over all ranks.
 
 Packing. With `packed` (default: where `varlen.varlen_available`: CUDA, bf16) a micro-batch
 is one row of its sequences back to back, up to `micro_batch_tokens` real tokens; matmuls,
 norms and the lm_head see no padding, and attention stays within each sequence
-(`engines/varlen.py`). Otherwise rows are right-padded and the budget counts padded tokens.
+(`training/attention.py`). Otherwise rows are right-padded and the budget counts padded tokens.
 The loss sees the same `[b, T]` batch either way.
 
 Numerics. Master weights and optimizer state are float32; `dtype="bfloat16"` runs the
@@ -24,12 +24,12 @@ logits of the completion tokens only, `logprob_chunk_tokens` rows at a time; wit
 and more rows than one chunk each chunk is recomputed in backward, so the `[tokens,
 vocab]` logits never exist for the whole micro-batch. `temperature` divides the logits,
 matching the sampler that produced pi_behave. On CUDA with Triton the logprob and entropy
-come from one pass over the logits each way (`engines/logprob_triton.py`; `logprob_kernel`
-chooses, `engines/logprobs.py`), and packed attention runs this project's Triton kernels
-(`engines/attention_triton.py`) or FlashAttention-2 varlen (`attention_kernel` chooses,
+come from one pass over the logits each way (`ops/logprob_triton.py`; `logprob_kernel`
+chooses, `ops/logprobs.py`), and packed attention runs this project's Triton kernels
+(`ops/attention_triton.py`) or FlashAttention-2 varlen (`attention_kernel` chooses,
 `varlen.pick_attention_kernel`).
 
-Weights out, checkpoints and LoRA: `engines/fsdp_weights.py` (the `FSDPWeights` methods).
+Weights out, checkpoints and LoRA: `training/fsdp/weights.py` (the `FSDPWeights` methods).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The FSDP root module of the training engine: decoder -> hidden states -> logprobs and entropy
 of the selected tokens only (the `[tokens, vocab]` logits never exist for a whole micro-batch).
-Under context parallelism (`engines/context_parallel.py`) each rank runs the decoder on its part
+Under context parallelism (`training/context_parallel.py`) each rank runs the decoder on its part
 of the packed row, the attention function gathers the group's keys and values, and the selected
 rows' logprobs are gathered from the group."""
 
@@ -33,7 +33,7 @@ class TokenLogprobModel(nn.Module):
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
         self.logprob_fn = logprob_fn
-        """One of the forms in `engines/logprobs.py`."""
+        """One of the forms in `ops/logprobs.py`."""
         self.context_group = context_group
         """The context-parallel group (None: every rank holds whole rows)."""
         self.pad_token_id = pad_token_id

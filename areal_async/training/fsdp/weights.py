@@ -1,6 +1,6 @@
 """Weights out of the FSDP2 training engine, its checkpoints, and LoRA versions.
 
-`FSDPWeights` holds the methods of `FSDPTrainEngine` (engines/fsdp.py) that move whole weights in
+`FSDPWeights` holds the methods of `FSDPTrainEngine` (training/fsdp/engine.py) that move whole weights in
 and out; the engine sets up the state they use (`model`, `optimizer`, `scheduler`, `config`,
 `model_path`, `rank`, `distributed`, `version`, `lora`).
 

@@ -10,24 +10,24 @@ The HF weights load through `megatron_layout` (name and layout mapping, tensor-p
 
 Process model. megatron-core's `parallel_state` splits the trainer's ranks into tensor-parallel
 groups of `tensor_parallel` ranks, context-parallel groups of `context_parallel` ranks
-(`engines/context_parallel.py`: each holds a part of every packed row), pipelines of
-`pipeline_parallel` stages (`engines/megatron_pipeline.py`: stages, schedule, stage-local names)
+(`training/context_parallel.py`: each holds a part of every packed row), pipelines of
+`pipeline_parallel` stages (`training/megatron/pipeline.py`: stages, schedule, stage-local names)
 and data-parallel groups across them. Ranks of a tensor-parallel or context-parallel group or of a
 pipeline get the same shard of the batch (`dp_rank`); the learner scatters over `dp_size`. Under
 torchrun the process group is the trainer's (gloo on CPU, NCCL on CUDA); without torchrun the
 engine creates a one-rank group, because megatron-core needs one. Gradients are summed over the
 data-parallel x context-parallel ranks (norms whose tensor-parallel copies see other heads or other
-tokens over the tensor-parallel group: `engines/sequence_parallel.py`), then clipped by the norm
+tokens over the tensor-parallel group: `training/megatron/sequence_parallel.py`), then clipped by the norm
 over all shards (each tensor-parallel slice and pipeline stage counted once).
 
 Numerics as FSDP2's: float32 master weights and optimizer state, bf16 autocast with `dtype` bfloat16
 or auto, on CUDA; on CPU the backend trains in float32 (`auto` resolves to it), because megatron-core's
 linear layers re-enter autocast in backward on CUDA only.
 
-Same contracts as the FSDP2 engine: the training loop, loss and metrics (`engines/train_loop.py`);
+Same contracts as the FSDP2 engine: the training loop, loss and metrics (`training/loop.py`);
 `snapshot_hf` / `save_hf` / `write_hf` give HF-named full weights on rank 0 (tensor-parallel
 slices and pipeline stages gathered once per version). Checkpoints are sharded
-(`save_sharded` / `load_sharded`, engines/megatron_checkpoint.py): every rank writes its own slices
+(`save_sharded` / `load_sharded`, training/megatron/checkpoint.py): every rank writes its own slices
 of the weights and AdamW moments, nothing is gathered, and a checkpoint resumes at any
 tensor-parallel, pipeline or data-parallel size; it refuses to load into the FSDP2 backend (and the
 reverse).

@@ -1,5 +1,5 @@
 """The modules the Megatron backend adds to megatron-core's GPT model: packed causal attention with
-the model's own rotary embedding, and the token-logprob root module (`engines/megatron.py` builds them).
+the model's own rotary embedding, and the token-logprob root module (`training/megatron/engine.py` builds them).
 
 `PackedCoreAttention` replaces the `core_attention` of megatron-core's pure-PyTorch layer spec
 (whose attention does not take packed sequences). It receives q `[t, heads, d]` and grouped k/v
@@ -7,19 +7,19 @@ the model's own rotary embedding, and the token-logprob root module (`engines/me
 embedding of the model (cos/sin computed once per micro-batch from the position ids, so every
 `rope_scaling` the HF model supports is applied exactly as the engines apply it), and attends
 causally within each sequence: the project's Triton kernels or FlashAttention-2 varlen on CUDA
-in 16 bits (`engines/varlen.py`), SDPA per sequence elsewhere; under context parallelism each rank
-holds a part of the row and attends to the group's gathered keys (`engines/context_parallel.py`).
+in 16 bits (`ops/varlen.py`), SDPA per sequence elsewhere; under context parallelism each rank
+holds a part of the row and attends to the group's gathered keys (`training/context_parallel.py`).
 Megatron-core's own RoPE is off (`position_embedding_type="none"`); it also needs CUDA.
 
-`MegatronLogprobModel` follows the training loop's model contract (`engines/train_loop.py`):
+`MegatronLogprobModel` follows the training loop's model contract (`training/loop.py`):
 embedding -> decoder (with the final norm) -> hidden states of the selected rows -> logprob and
 entropy of their targets, `chunk_tokens` rows at a time. With pipeline stages, `stage_forward` runs
 one model chunk of the stage (a stage holds several when stages are interleaved;
-`engines/megatron_pipeline.py` passes the hidden states between them). With one tensor-parallel rank the head
-runs the trainer's logprob kernels (`engines/logprobs.py`); with several, each rank holds a slice
+`training/megatron/pipeline.py` passes the hidden states between them). With one tensor-parallel rank the head
+runs the trainer's logprob kernels (`ops/logprobs.py`); with several, each rank holds a slice
 of the vocabulary and `vocab_parallel_logprobs` combines the slices. Under context parallelism
 each rank computes the logprobs of the selected rows in its part and returns the group's, gathered.
-Under sequence parallelism (`engines/sequence_parallel.py`) the row is padded to split evenly, each
+Under sequence parallelism (`training/megatron/sequence_parallel.py`) the row is padded to split evenly, each
 tensor-parallel rank embeds into and holds its block of the row's hidden states, and the head
 gathers the selected rows of every block.
 """
@@ -69,7 +69,7 @@ class RotaryPackedParams(_PackedSeqParams):  # type: ignore[misc,valid-type]
     sin: torch.Tensor | None = None
     kernel: str = "flash"
     context: ContextPart | None = None
-    """This rank's part of the row under context parallelism (`engines/context_parallel.py`)."""
+    """This rank's part of the row under context parallelism (`training/context_parallel.py`)."""
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ after QKV, on every token but only the rank's heads, and are summed with or with
 parallelism.
 
 Padding (`context_parallel.pad_row`). The packed row is padded to a multiple of T tokens (2 C T under context
-parallelism, so each context part of `engines/context_parallel.py` splits evenly over the
+parallelism, so each context part of `training/context_parallel.py` splits evenly over the
 tensor-parallel ranks), the padding one extra sequence that no real token attends to.
 
 megatron-core builds the layers with `sequence_parallel=False`; only the four linear layers of the
