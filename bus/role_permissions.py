@@ -139,7 +139,10 @@ PERMISSIONS: dict[str, Permissions] = {
 }
 """User name -> permissions: one user per worker role, and ``ops``."""
 
-SHIPPED_USERS = ("controller", "generation", "reward", "trainer", "weight-sync", "agent", "ops")
+WORKER_ROLES = ("controller", "generation", "reward", "trainer", "weight-sync", "agent")
+"""Every worker role, in start order; each connects as the NATS user of its name."""
+
+SHIPPED_USERS = (*WORKER_ROLES, "ops")
 """The users of the shipped cluster configs (``auth-users.conf``, ``auth-nkeys.conf``), whose
 variables ``permissions.conf`` defines: nats-server refuses a variable no user refers to, so a
 user joins here together with its entry in those files."""

@@ -25,19 +25,15 @@ import anyio
 import msgpack
 
 from bus.errors import StreamUnavailable
-from bus.subjects import Buckets
+from bus.subjects import RUN_ENDED, WEIGHTS_PUBLISHED, WEIGHTS_SERVED, Buckets  # noqa: F401  (state keys)
 
 if TYPE_CHECKING:
     from bus.client import Bus
 
-WEIGHTS_PUBLISHED = "weights.published"
-"""{policy_version, path}: the newest version the trainer wrote; written by the trainer."""
-
-WEIGHTS_SERVED = "weights.served"
-"""{policy_version, path}: the version every live engine serves; written by the weight-sync worker."""
-
-RUN_ENDED = "run.ended"
-"""{reason, policy_version}: the run is over; written by the controller."""
+# A fact that is also announced as an event is kept under its event's subject suffix:
+# WEIGHTS_PUBLISHED {policy_version, path}: the newest version the trainer wrote (the trainer);
+# WEIGHTS_SERVED {policy_version, path}: the version every live engine serves (weight-sync);
+# RUN_ENDED {reason, policy_version}: the run is over (the controller).
 
 CONTROLLER = "controller"
 """The controller's whole state (scheduler, dataset cursor, evaluation rounds)."""

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-ROLE_MODULES = {
-    "controller": "workers.controller",
-    "generation": "workers.generation",
-    "reward": "workers.reward",
-    "trainer": "workers.trainer",
-    "weight-sync": "workers.weight_sync",
-    "agent": "workers.agent",
-}
+from bus.role_permissions import WORKER_ROLES
 
-ROLES = tuple(ROLE_MODULES)
-"""Every worker role."""
+ROLES = WORKER_ROLES
+"""Every worker role (named once, in ``bus``: each is also a NATS user)."""
+
+ROLE_MODULES = {role: f"workers.{role.replace('-', '_')}" for role in ROLES}
 
 
 def run_roles(uses_agents: bool) -> tuple[str, ...]:
