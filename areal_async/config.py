@@ -33,6 +33,7 @@ __all__ = [
     "RunConfig",
     "SamplingConfig",
     "TrainerConfig",
+    "WatchdogConfig",
     "WeightSyncConfig",
 ]
 
@@ -283,6 +284,10 @@ class AgentConfig:
     call_attempts: int = 3
     """Tries of one generation call (timeouts, no generation worker) before the task is handed back."""
 
+    episode_timeout_s: float = 1800.0
+    """Deadline of one episode (the workflow's whole run): one that passes it fails its task with the
+    reason, as a workflow that raises does, instead of holding the agent worker."""
+
     http_port: int | None = None
     """Serve the OpenAI-compatible endpoint (``/episodes/<id>/v1/chat/completions``) on this port for
     ``openai_workflow`` agents (0: any free port); None: off."""
@@ -298,6 +303,7 @@ class AgentConfig:
             raise ValueError(
                 f"call_timeout_s and tool_timeout_s must be > 0, got {self.call_timeout_s}, {self.tool_timeout_s}"
             )
+        positive(self, "episode_timeout_s")
         if self.gamma is not None and not 0 < self.gamma <= 1:
             raise ValueError(f"gamma must be in (0, 1] or null, got {self.gamma}")
         unknown = [t for t in self.tools if t not in AGENT_TOOLS]
@@ -395,6 +401,41 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WatchdogConfig:
+    """Stall detection (docs/design.md, "Stalls"): a worker that is alive but makes no progress.
+
+    ``frozen``: no heartbeat for ``frozen_after_s``. ``wedged``: heartbeats, but no finished unit of
+    work while work waits for it (it holds some, or its queue has some) for longer than its
+    threshold: ``max(wedged_floor_s, history_factor x the longest gap between two units of work
+    this role has shown)``, or ``first_progress_s`` before its first unit of work.
+    """
+
+    enabled: bool = True
+    """Run the watchdog under ``areal-async run`` (and the worker's own under systemd/Slurm)."""
+
+    action: Literal["kill", "warn"] = "kill"
+    """``kill``: SIGKILL the stalled worker's process group so that its supervisor restarts it;
+    ``warn``: only report (``run.stalled`` event and a warning line)."""
+
+    frozen_after_s: float = 30.0
+    """Seconds without a heartbeat after which a live process counts as frozen."""
+
+    wedged_floor_s: float = 300.0
+    """Least seconds without progress, while work waits, that count as wedged."""
+
+    first_progress_s: float = 900.0
+    """Seconds a worker may hold work before its first finished unit (model load, compilation)."""
+
+    history_factor: float = 5.0
+    """A role is wedged after this many times the longest progress gap it has shown."""
+
+    def __post_init__(self) -> None:
+        positive(self, "frozen_after_s", "wedged_floor_s", "first_progress_s", "history_factor")
+        if self.action not in ("kill", "warn"):
+            raise ValueError(f"watchdog.action must be 'kill' or 'warn', got {self.action!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "demo"
     """Run name; every subject is prefixed ``areal.<name>.``; letters, digits, '-' and '_'."""
@@ -415,6 +456,7 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_-]+", self.name):
@@ -431,6 +473,12 @@ class RunConfig:
             raise ValueError(
                 f"trainer.loss.overlong_buffer ({loss.overlong_buffer}) exceeds "
                 f"rollout.sampling.max_new_tokens ({budget}); lower the buffer"
+            )
+        if self.watchdog.frozen_after_s < 3 * self.bus.heartbeat_interval_s:
+            raise ValueError(
+                f"watchdog.frozen_after_s ({self.watchdog.frozen_after_s}) must be at least 3 heartbeat "
+                f"intervals (bus.heartbeat_interval_s = {self.bus.heartbeat_interval_s}), or a late beat "
+                "looks like a frozen worker; raise it"
             )
         transport = self.weight_sync.transport
         if transport in ("cuda_ipc", "nccl") and self.trainer.device != "cuda":

@@ -126,6 +126,8 @@ class Bus:
         self._kv: dict[str, KeyValue] = {}
         self.open_iterators: set[BusIterator[Any]] = set()
         """Consumers, subscriptions and watches started and not yet closed; ``close()`` closes them."""
+        self.held = 0
+        """Deliveries handed out and not yet acked, nak'd or termed (heartbeats report it)."""
         self._refusals = Refusals(options.user)
 
     def __repr__(self) -> str:

@@ -305,6 +305,22 @@ class Heartbeat(Event, kw_only=True):
     """In-memory weight transports this worker can receive (generation workers)."""
     transfer_ranks: int = 1
     """Ranks it takes in a weight-transfer group (a remote engine: one per server)."""
+    handled: int = 0
+    """Units of work finished since the worker started (groups generated or scored, steps trained,
+    hand-offs served, prompts issued, episodes run)."""
+    tokens: int = 0
+    """Tokens generated or trained since the worker started."""
+    progress_at: float = 0.0
+    """Wall time of the last finished unit of work (0: none yet). Set by the work loop, never by
+    the heartbeat task, so a beat from a worker whose work loop is stuck still shows the stall."""
+    busy_at: float = 0.0
+    """Wall time the work loop went from idle to holding work it has not finished; 0 while idle."""
+    phase: str = ""
+    """What the work loop is doing now (``generating``, ``training step 7``, ...) or waiting for."""
+    held: int = 0
+    """Deliveries this worker fetched and has not settled (acked, nak'd or dead-lettered)."""
+    started_at: float = 0.0
+    """Wall time the worker process started."""
 
 
 class DeadLetter(Event, kw_only=True):
@@ -333,6 +349,35 @@ class RunEnded(Event, kw_only=True):
     reason: str
     policy_version: int
     steps: int
+
+
+class RunStalled(Event, kw_only=True):
+    """A watchdog found a worker that stopped making progress (core NATS, ``run.stalled``)."""
+
+    role: str
+    worker_id: str
+    pid: int
+    state: str
+    """``frozen`` (no heartbeat), ``wedged`` (beats, but no progress while work waits) or
+    ``starved`` (nothing to do because an upstream role is stuck)."""
+    evidence: str
+    action: str
+    """What the watchdog did: ``killed`` (its process group; the launcher restarts it) or ``none``."""
+    upstream: str = ""
+    """For ``starved``: the stuck role it waits on."""
+    detected_at: float
+
+
+class RunHealed(Event, kw_only=True):
+    """A role that stalled makes progress again (core NATS, ``run.healed``)."""
+
+    role: str
+    worker_id: str
+    state: str
+    """The state it stalled in."""
+    stalled_s: float
+    """From the last progress before the stall to the first progress after it."""
+    healed_at: float
 
 
 class GenerateCall(Event, kw_only=True):
@@ -390,6 +435,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
         DeadLetter,
         MetricsReport,
         RunEnded,
+        RunStalled,
+        RunHealed,
         GenerateCall,
         GenerateReply,
     )
@@ -411,6 +458,8 @@ SUBJECT_TYPES: dict[str, type[Event]] = {
     subj.DEADLETTER: DeadLetter,
     subj.METRICS: MetricsReport,
     subj.RUN_ENDED: RunEnded,
+    subj.RUN_STALLED: RunStalled,
+    subj.RUN_HEALED: RunHealed,
     subj.GENERATE: GenerateCall,
 }
 """Subject suffix (relative to ``areal.<run>.``) -> the one event type it carries."""
@@ -434,6 +483,8 @@ _any_decoder = msgspec.msgpack.Decoder(
     | GenerateCall
     | GenerateReply
     | RunEnded
+    | RunStalled
+    | RunHealed
 )
 
 

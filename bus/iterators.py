@@ -57,6 +57,7 @@ class IteratorHost(Connected, Protocol):
 
     js: JetStreamContext
     open_iterators: set[BusIterator[Any]]
+    held: int
 
     async def delivery(self, msg: Msg) -> Delivery | None: ...
     async def stream_max_msg_size(self, spec: StreamSpec) -> int: ...
@@ -96,6 +97,16 @@ class Delivery:
     stream_seq: int
     msg: Msg = field(repr=False)
     bus: IteratorHost = field(repr=False)
+    _open: bool = field(default=True, repr=False)
+
+    def __post_init__(self) -> None:
+        self.bus.held += 1
+
+    def _settle(self) -> None:
+        """Count this delivery out of ``bus.held`` once, whichever settling call comes first."""
+        if self._open:
+            self._open = False
+            self.bus.held -= 1
 
     @property
     def data(self) -> bytes:
@@ -109,14 +120,17 @@ class Delivery:
     async def ack(self) -> None:
         """Done: the message is removed from a work-queue stream."""
         await self.msg.ack()
+        self._settle()
 
     async def ack_sync(self) -> None:
         """ack() and wait until the server confirms it (a double ack; bounded by request_timeout_s)."""
         await self.msg.ack_sync(timeout=self.bus.options.request_timeout_s)
+        self._settle()
 
     async def nak(self, delay: float | None = None) -> None:
         """Not done: redeliver (after ``delay`` seconds), possibly to another worker."""
         await self.msg.nak(delay=delay)
+        self._settle()
 
     async def in_progress(self) -> None:
         """Still working: restart this message's ack_wait clock."""
@@ -125,6 +139,7 @@ class Delivery:
     async def term(self) -> None:
         """Never redeliver (poison). Prefer publishing RolloutFailed and ack()."""
         await self.msg.term()
+        self._settle()
 
     async def dead_letter(self, reason: str) -> None:
         """Poison: copy this message (raw data, subject, headers) to ``deadletter`` with

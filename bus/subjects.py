@@ -16,7 +16,7 @@ Planes:
 | rollout.failed      | JetStream FAILED (work queue)      | controller-failed      |
 | trainer.step        | JetStream STEPS (limits, audit)    | controller-steps       |
 | deadletter          | JetStream DEADLETTER (limits)      | (none; inspect reads)  |
-| weights.*, heartbeat.<role>.<id>, metrics, run.ended | core NATS | -            |
+| weights.*, heartbeat.<role>.<id>, metrics, run.*    | core NATS | -            |
 | generate (request/reply, queue group ``generation``)  | core NATS | -            |
 
 A work-queue stream allows only non-overlapping consumers, so each has exactly one durable
@@ -47,6 +47,8 @@ HEARTBEAT = "heartbeat"
 DEADLETTER = "deadletter"
 METRICS = "metrics"
 RUN_ENDED = "run.ended"
+RUN_STALLED = "run.stalled"
+RUN_HEALED = "run.healed"
 GENERATE = "generate"
 
 Retention = Literal["work_queue", "limits"]
@@ -141,6 +143,8 @@ class Subjects:
         self.deadletter = self.prefix + DEADLETTER
         self.metrics = self.prefix + METRICS
         self.run_ended = self.prefix + RUN_ENDED
+        self.run_stalled = self.prefix + RUN_STALLED
+        self.run_healed = self.prefix + RUN_HEALED
         self.generate = self.prefix + GENERATE
         self.state_bucket = f"areal_{run}_state"
         self.workers_bucket = f"areal_{run}_workers"

@@ -150,6 +150,16 @@ def make_sample_events() -> dict[str, ev.Event]:
         ),
         ev.MetricsReport(step=5, policy_version=6, values={"reward_mean": 0.5}),
         ev.RunEnded(reason="done", policy_version=6, steps=5),
+        ev.RunStalled(
+            role="reward",
+            worker_id="reward-0",
+            pid=42,
+            state="wedged",
+            evidence="no unit of work for 301.0 s (limit 300 s) while busy in scoring",
+            action="killed",
+            detected_at=1.0,
+        ),
+        ev.RunHealed(role="reward", worker_id="reward-0", state="wedged", stalled_s=312.5, healed_at=2.0),
         ev.GenerateCall(
             call_id="agent-0-3", episode_id="e0-i4/2", prompt_ids=ev.pack_i32([1, 2, 3]), max_new_tokens=8
         ),

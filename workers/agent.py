@@ -234,7 +234,9 @@ class Agent:
 
     async def handle_held(self, delivery: Any) -> None:
         try:
-            await self.handle(delivery)
+            async with self.ctx.working("running episodes"):
+                await self.handle(delivery)
+            self.ctx.progressed()
         finally:
             self.tasks.release_on_behalf_of(delivery)
 
@@ -249,8 +251,12 @@ class Agent:
 
                 async def run(i: int) -> None:
                     async with self.episodes:
-                        episodes[i] = await self.workflow(
-                            self.client, dict(task.row), self.context(task.kind, i)
+                        episodes[i] = await run_episode(
+                            self.workflow,
+                            self.client,
+                            dict(task.row),
+                            self.context(task.kind, i),
+                            timeout_s=self.cfg.agent.episode_timeout_s,
                         )
 
                 async with anyio.create_task_group() as runs:
@@ -344,6 +350,20 @@ class Agent:
             msg_id=f"{task.task_id}:{task.attempt}:filtered",
         )
         await delivery.dead_letter(reason)
+
+
+class EpisodeTimeout(Exception):
+    """An episode (user workflow code) ran past ``agent.episode_timeout_s``; its task fails."""
+
+
+async def run_episode(
+    workflow: Any, client: Any, row: dict[str, Any], ctx: Any, *, timeout_s: float
+) -> Episode:
+    """One episode of `workflow`, cut at `timeout_s`: user code that never returns fails its task
+    with the reason (``EpisodeTimeout``) instead of holding the worker."""
+    with anyio.move_on_after(timeout_s):
+        return await workflow(client, row, ctx)
+    raise EpisodeTimeout(f"episode {ctx.group_index} passed agent.episode_timeout_s={timeout_s:g}")
 
 
 def _first_cause(exc: BaseException) -> BaseException:

@@ -131,7 +131,9 @@ def main_parser() -> argparse.ArgumentParser:
     ins.add_argument("--url", help="NATS URL (default: from the config or the run dir)")
     ins.add_argument("--run", dest="run_name", help="run name (default: from the config)")
     ins.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ins.add_argument("what", nargs="?", default="summary", choices=("summary", "tail", "steps", "deadletter"))
+    ins.add_argument(
+        "what", nargs="?", default="summary", choices=("summary", "tail", "steps", "deadletter", "health")
+    )
     ins.add_argument("subject", nargs="?", help="for 'tail': subject under areal.<run>. (e.g. trainer.step)")
     ins.add_argument("--count", type=int, default=10, help="events to show for tail/steps/deadletter")
     ins.add_argument("--json", action="store_true", help="machine-readable output")

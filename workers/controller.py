@@ -222,10 +222,12 @@ class Controller:
             else:
                 epoch, index, row = self.cursor.next()
                 issue = self.state.take_new(epoch, index)
-            await self.publish_task(issue, row)
-            await self.save()
+            async with self.ctx.working("issuing"):
+                await self.publish_task(issue, row)
+                await self.save()
             issued_now += 1
         if issued_now:
+            self.ctx.progressed(issued_now)
             self.ctx.set_status("issuing")
             log.info(
                 "tasks issued",
@@ -263,7 +265,9 @@ class Controller:
 
     async def on_trainer_steps(self) -> None:
         async for d in self.bus.consume(Streams.STEPS):
-            await settle_or_dead_letter(d, lambda ev, d=d: self._trainer_step(ev, d), what="trainer.step")
+            async with self.ctx.working("recording a step"):
+                await settle_or_dead_letter(d, lambda ev, d=d: self._trainer_step(ev, d), what="trainer.step")
+            self.ctx.progressed()
 
     async def _trainer_step(self, ev: Any, delivery: Any) -> None:
         if not isinstance(ev, TrainerStep):
@@ -291,7 +295,9 @@ class Controller:
 
     async def on_failed(self) -> None:
         async for d in self.bus.consume(Streams.FAILED):
-            await settle_or_dead_letter(d, lambda ev, d=d: self._failed(ev, d), what="rollout.failed")
+            async with self.ctx.working("recycling a failed task"):
+                await settle_or_dead_letter(d, lambda ev, d=d: self._failed(ev, d), what="rollout.failed")
+            self.ctx.progressed()
 
     async def _failed(self, ev: Any, delivery: Any) -> None:
         if not isinstance(ev, RolloutFailed):
@@ -360,7 +366,9 @@ class Controller:
 
     async def on_eval(self) -> None:
         async for d in self.bus.consume(Streams.EVAL):
-            await settle_or_dead_letter(d, lambda ev, d=d: self._eval_scored(ev, d), what="eval.scored")
+            async with self.ctx.working("recording an evaluation"):
+                await settle_or_dead_letter(d, lambda ev, d=d: self._eval_scored(ev, d), what="eval.scored")
+            self.ctx.progressed()
 
     async def _eval_scored(self, ev: Any, delivery: Any) -> None:
         if not isinstance(ev, ScoredGroup):

@@ -149,6 +149,11 @@ class Generator:
     async def load(self, version: int, path: str, offer: WeightsLoad | None = None) -> None:
         """Load ``version``: in memory when ``offer`` names this engine a member, else (or when
         that fails) from its disk copy at ``path``; report ``weights.loaded`` either way."""
+        async with self.ctx.working("loading weights"):
+            await self._load(version, path, offer)
+        self.ctx.progressed()
+
+    async def _load(self, version: int, path: str, offer: WeightsLoad | None) -> None:
         started = time.perf_counter()
         via, fallback = "disk", ""
         try:
@@ -293,7 +298,9 @@ class Generator:
             )
             prompt = tuple(int(t) for t in unpack_i32(call.prompt_ids, "prompt_ids"))
             request_ = GenerationRequest(request_id=call.call_id, prompt_ids=prompt, sampling=sampling)
-            [result] = await self.engine.generate([request_])
+            async with self.ctx.working("answering calls"):
+                [result] = await self.engine.generate([request_])
+            self.ctx.progressed(tokens=len(result.token_ids))
             reply = GenerateReply(
                 call_id=call_id,
                 engine_id=self.ctx.worker_id,
@@ -318,17 +325,19 @@ class Generator:
         self.active += 1
         self.ctx.set_status("busy")
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_keep_alive, delivery)
-                group = await self.generate_group(task, prompt_ids)
-                await self.bus.publish(
-                    self.bus.subjects.rollout_generated,
-                    group,
-                    msg_id=f"{task.task_id}:{task.attempt}",
-                    policy_version=group.head_version,
-                )
-                await delivery.ack()
-                tg.cancel_scope.cancel()
+            async with self.ctx.working("generating"):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_keep_alive, delivery)
+                    group = await self.generate_group(task, prompt_ids)
+                    await self.bus.publish(
+                        self.bus.subjects.rollout_generated,
+                        group,
+                        msg_id=f"{task.task_id}:{task.attempt}",
+                        policy_version=group.head_version,
+                    )
+                    await delivery.ack()
+                    tg.cancel_scope.cancel()
+            self.ctx.progressed(tokens=int(group.timings["tokens"]))
             self.tasks_done += 1
             log.info(
                 "group generated",

@@ -7,6 +7,8 @@ direct gets by sequence number, so inspecting never steals a task from a worker.
     areal-async inspect --config RUN.yaml steps         staleness of every trained step + invariant
     areal-async inspect --config RUN.yaml deadletter    dead letters with their reasons
     areal-async inspect --config RUN.yaml tail trainer.step   decoded events as JSON
+    areal-async inspect --config RUN.yaml health      each worker's progress and stall state, queues,
+                                                      and the run's stalls and heals so far
 
 The URL comes from ``--url``, else ``bus.url`` of the config, else (embedded server)
 ``<run_dir>/nats.url`` written by ``areal-async run``. With ``--config`` inspect connects
@@ -284,6 +286,68 @@ async def summary(bus: Any, as_json: bool) -> int:
     return 0
 
 
+async def health(bus: Any, cfg: RunConfig | None, as_json: bool) -> int:
+    """Every live worker's state as the stall watchdog judges it from one look (no history: the
+    floor thresholds), its last progress and queue depths; roles of the run without a live worker;
+    the stalls and heals recorded in ``stalls.jsonl``. Exit 1 when a worker is frozen or wedged."""
+    from areal_async.config import WatchdogConfig
+    from bus.events import decode
+    from bus.subjects import Buckets
+    from workers.report import read_jsonl, stall_lines
+    from workers.roles import run_roles
+    from workers.watchdog import STALLED, StallTracker, undelivered
+
+    tracker = StallTracker(cfg.watchdog if cfg is not None else WatchdogConfig())
+    wall, mono = time.time(), time.monotonic()
+    beats = {}
+    for key in await bus.kv_keys(Buckets.WORKERS):
+        entry = await bus.kv_get(Buckets.WORKERS, key)
+        if entry is not None:
+            beat = decode(entry.value)
+            beats[(beat.role, beat.worker_id)] = beat
+            tracker.beat(beat, mono - (wall - beat.sent_at))
+    queues = await undelivered(bus)
+    tracker.consumers(queues)
+    rows = []
+    for v in sorted(tracker.check(mono), key=lambda v: (v.role, v.worker_id)):
+        b = beats[(v.role, v.worker_id)]
+        rows.append(
+            {
+                "role": v.role,
+                "worker_id": v.worker_id,
+                "state": v.state,
+                "evidence": v.evidence,
+                "upstream": v.upstream,
+                "phase": b.phase,
+                "handled": b.handled,
+                "held": b.held,
+                "last_progress_s": round(wall - b.progress_at, 1) if b.progress_at else None,
+                "last_beat_s": round(wall - b.sent_at, 1),
+            }
+        )
+    expected = run_roles(cfg.uses_agents) if cfg is not None else ()
+    absent = [r for r in expected if not any(row["role"] == r for row in rows)]
+    history = read_jsonl(cfg.run_dir / "stalls.jsonl") if cfg is not None else []
+    report = {"run": bus.run, "workers": rows, "absent_roles": absent, "queues": queues, "stalls": history}
+    if as_json:
+        sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
+    else:
+        out = [f"run {bus.run}", "", f"{'role':<12} {'worker':<34} {'state':<8} {'done':>6} {'held':>5} "
+               f"{'progress':>9}  phase / evidence"]  # fmt: skip
+        for r in rows:
+            ago = "-" if r["last_progress_s"] is None else f"{r['last_progress_s']}s ago"
+            out.append(
+                f"{r['role']:<12} {r['worker_id']:<34} {r['state']:<8} {r['handled']:>6} {r['held']:>5} "
+                f"{ago:>9}  {r['evidence'] or r['phase']}"
+            )
+        out += [f"{role:<12} (no live worker)" for role in absent]
+        out += ["", "queues (undelivered): " + ", ".join(f"{k} {n}" for k, n in queues.items())]
+        if cfg is not None and history:
+            out += ["", *stall_lines(cfg.run_dir)]
+        sys.stdout.write("\n".join(out) + "\n")
+    return 1 if any(r["state"] in STALLED for r in rows) else 0
+
+
 async def steps(bus: Any, count: int, as_json: bool, max_staleness: int | None) -> int:
     """Staleness per trained step, and the audit; exit 1 if any step broke it.
 
@@ -407,6 +471,8 @@ async def _inspect(args: argparse.Namespace) -> int:
             return await steps(bus, args.count, args.json, max_staleness)
         if args.what == "deadletter":
             return await deadletters(bus, args.count, args.json)
+        if args.what == "health":
+            return await health(bus, target.cfg, args.json)
         if args.what == "tail":
             return await tail(bus, args.subject, args.count, stored_only=from_store)
     return 2

@@ -16,6 +16,10 @@ role (``areal-worker --role ROLE``; the trainer under torchrun when
   whatever it held and the trainer resumes from its last checkpoint;
 - when the controller exits cleanly the run is over: the others get ``RUN_END_GRACE_S``
   to stop on their own, then SIGTERM;
+- a worker that stops making progress without dying (frozen: no heartbeat; wedged: beats but
+  finishes nothing while work waits) is found by the watchdog (``workers.watchdog``, as the ``ops``
+  user), which SIGKILLs its process tree; the crash path above restarts it. Stalls and heals are
+  announced (``run.stalled``, ``run.healed``), printed, and listed in the summary;
 - Ctrl-C (SIGINT) or SIGTERM stops every worker (SIGTERM, then SIGKILL after a grace
   period) and the server. Running the same command again resumes the run.
 
@@ -30,6 +34,7 @@ run dir.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -191,21 +196,24 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def tree_rss(roots: Sequence[int], parents: Mapping[int, int] | None = None) -> dict[int, int]:
-    """Resident bytes of each root pid's process tree (the process and all its descendants)."""
-    parents = _parents() if parents is None else parents
+def process_tree(root: int, parents: Mapping[int, int]) -> list[int]:
+    """``root`` and all its descendants (``parents``: pid -> parent pid), whatever their session:
+    torchrun starts each rank in a session of its own."""
     children: dict[int, list[int]] = {}
     for pid, ppid in parents.items():
         children.setdefault(ppid, []).append(pid)
-    totals = {}
-    for root in roots:
-        total, todo = 0, [root]
-        while todo:
-            pid = todo.pop()
-            total += _rss(pid)
-            todo += children.get(pid, [])
-        totals[root] = total
-    return totals
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def tree_rss(roots: Sequence[int], parents: Mapping[int, int] | None = None) -> dict[int, int]:
+    """Resident bytes of each root pid's process tree (the process and all its descendants)."""
+    parents = _parents() if parents is None else parents
+    return {root: sum(_rss(pid) for pid in process_tree(root, parents)) for root in roots}
 
 
 class RssSampler:
@@ -304,9 +312,12 @@ def launch(
     logs.mkdir(parents=True, exist_ok=True)
     rss = RssSampler(children, server)
     display = _LiveDisplay(run_dir, children) if live else None
+    watching = threading.Event()
+    watcher = None
     try:
         for c in children:
             _start(c, out_lock, not live, logs)
+        watcher = _watch(cfg, url, passwords, children, watching, out_lock)
         if display is not None:
             display.start()
 
@@ -317,6 +328,9 @@ def launch(
 
         code = _supervise(children, server, stopping, tick, lambda c: _start(c, out_lock, not live, logs))
     finally:
+        watching.set()
+        if watcher is not None:  # before the server stops: its connection closes cleanly
+            watcher.join(timeout=2 * cfg.bus.heartbeat_interval_s + 5)
         if display is not None:
             display.stop()
         _stop(children, STOP_GRACE_S)
@@ -326,6 +340,51 @@ def launch(
             signal.signal(s, h)
     _finish(cfg, time.monotonic() - started, rss.peaks())
     return code
+
+
+def _watch(
+    cfg: RunConfig,
+    url: str,
+    passwords: Mapping[str, str] | None,
+    children: Sequence[Child],
+    done: threading.Event,
+    out_lock: threading.Lock,
+) -> threading.Thread | None:
+    """Start the stall watchdog's thread (unless ``watchdog.enabled`` is false); it ends once
+    ``done`` is set."""
+    if not cfg.watchdog.enabled:
+        return None
+    from bus import ConnectOptions
+    from workers import watchdog
+    from workers.runtime import connect_options
+
+    if passwords is not None:
+        options = ConnectOptions(url=url, name="watchdog", user="ops", password=passwords["ops"])
+    else:
+        options = connect_options(cfg.bus, name="watchdog")
+
+    def act(verdict: watchdog.Verdict) -> str:
+        """SIGKILL the stalled worker's whole process tree (its torchrun ranks too) if it is one of
+        ours and alive; the supervision loop then restarts it."""
+        parents = _parents()
+        if verdict.pid not in parents:
+            return "gone"
+        for c in children:
+            if c.role == verdict.role and c.proc and c.proc.poll() is None:
+                tree = process_tree(c.proc.pid, parents)
+                if verdict.pid in tree:
+                    for pid in tree:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    return "killed"
+        return "none"  # not a process of this launcher (another host, another supervisor)
+
+    def warn(line: str) -> None:
+        with out_lock:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    return watchdog.start_thread(cfg, options, act, stop=done, warn=warn)
 
 
 def _supervise(

@@ -2,7 +2,8 @@
 
 Reads what the workers already write: ``metrics.jsonl`` (trainer, one line per step),
 ``eval.jsonl`` (controller, one line per evaluation) and each worker's JSON log under
-``logs/`` (last ``status`` event = its health). No bus connection is needed, so the
+``logs/`` (last ``status`` event = its health), and the watchdog's ``stalls.jsonl`` (a role
+stalled and not yet healed is marked). No bus connection is needed, so the
 display can never slow the run down. The launcher adds what only it knows per role: whether
 the process is up, its restarts, and the peak resident memory of its process tree.
 """
@@ -51,6 +52,17 @@ def role_health(run_dir: Path, role: str) -> tuple[str, str, float | None]:
     return status, detail, time.time() - logs[-1].stat().st_mtime
 
 
+def open_stalls(run_dir: Path) -> dict[str, str]:
+    """Role -> state of its stall, for roles stalled and not yet healed (``stalls.jsonl``)."""
+    open_: dict[str, str] = {}
+    for row in _tail_json(run_dir / "stalls.jsonl"):
+        if row.get("event") == "RunStalled":
+            open_[row["role"]] = row["state"]
+        elif row.get("event") == "RunHealed":
+            open_.pop(row["role"], None)
+    return open_
+
+
 def render(
     run_dir: Path, roles: Sequence[str], procs: Callable[[str], tuple[bool, int, int]], started: float
 ) -> Group:
@@ -84,6 +96,7 @@ def render(
     health = Table(show_header=True)
     for col in ("role", "process", "restarts", "peak RSS", "status", "detail", "last log"):
         health.add_column(col)
+    stalled = open_stalls(run_dir)
     for role in roles:
         alive, restarts, peak_rss = procs(role)
         status, detail, age = role_health(run_dir, role)
@@ -92,7 +105,7 @@ def render(
             "up" if alive else "down",
             str(restarts),
             format_rss(peak_rss),
-            status,
+            f"[bold red]STALLED ({stalled[role]})[/]" if role in stalled else status,
             detail[:60],
             f"{age:.0f} s ago" if age is not None else "-",
         )

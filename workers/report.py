@@ -4,7 +4,8 @@ Reads ``metrics.jsonl`` (one line per training step, written by the trainer) and
 ``eval.jsonl`` (one line per evaluation round, written by the controller). Plots train
 reward, eval accuracy, staleness and step time against step and against wall time into
 ``<run_dir>/report.png``; returns the summary text (also written to ``summary.txt``), which
-also lists the peak resident memory of each role's process tree when the launcher measured it.
+also lists the peak resident memory of each role's process tree when the launcher measured it,
+and the stalls the watchdog found and their heals (``stalls.jsonl``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,19 @@ def summarize(run_dir: Path, wall_s: float | None = None, peak_rss: Mapping[str,
         lines.append(f"eval acc     {accs}")
     if peak_rss:
         lines.append("peak RSS     " + ", ".join(f"{role} {format_rss(n)}" for role, n in peak_rss.items()))
+    lines += stall_lines(run_dir)
     return "\n".join(lines)
+
+
+def stall_lines(run_dir: Path) -> list[str]:
+    """One line per stall and per heal in ``<run_dir>/stalls.jsonl`` (written by the watchdog)."""
+    lines = []
+    for r in read_jsonl(run_dir / "stalls.jsonl"):
+        if r.get("event") == "RunStalled":
+            lines.append(f"stall        {r['role']} {r['state']} ({r['action']}): {r['evidence']}")
+        elif r.get("event") == "RunHealed":
+            lines.append(f"healed       {r['role']} after {r['stalled_s']:.1f} s ({r['state']})")
+    return lines
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:

@@ -63,15 +63,17 @@ async def serve(ctx: WorkerContext) -> None:
             nonlocal scored
             if not isinstance(group, RolloutGroup):
                 raise ValueError(f"expected a RolloutGroup, got {type(group).__name__}")
-            result = await score_group(pool, group)
-            subject = bus.subjects.eval_scored if group.kind == "eval" else bus.subjects.rollout_scored
-            await bus.publish(
-                subject,
-                result,
-                msg_id=f"{group.task_id}:{group.attempt}",
-                policy_version=group.head_version,
-            )
-            await delivery.ack()
+            async with ctx.working("scoring"):
+                result = await score_group(pool, group)
+                subject = bus.subjects.eval_scored if group.kind == "eval" else bus.subjects.rollout_scored
+                await bus.publish(
+                    subject,
+                    result,
+                    msg_id=f"{group.task_id}:{group.attempt}",
+                    policy_version=group.head_version,
+                )
+                await delivery.ack()
+            ctx.progressed()
             scored += 1
             errors = sum(1 for e in result.reward_errors if e)
             if errors:

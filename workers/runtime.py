@@ -23,12 +23,13 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import msgspec
 import structlog
 
 from areal_async.config import BusConfig, RunConfig
@@ -46,6 +47,7 @@ from bus import (
 from bus.events import Heartbeat, RunEnded, encode
 from bus.state import RUN_ENDED, RunState
 from bus.subjects import Buckets
+from workers.watchdog import start_self_watchdog
 
 log = structlog.get_logger()
 
@@ -69,10 +71,47 @@ class WorkerContext:
     transports: list[str] = field(default_factory=list)
     """In-memory weight transports this worker receives (its heartbeat tells weight-sync)."""
     transfer_ranks: int = 1
+    handled: int = 0
+    """Units of work finished (``progressed``); heartbeats carry it with the fields below."""
+    tokens: int = 0
+    progress_at: float = 0.0
+    """Wall time of the last finished unit of work; 0 before the first."""
+    busy_in: dict[str, int] = field(default_factory=dict)
+    """Work the loop holds now, by phase: how many units of each are under way (``working``)."""
+    busy_at: float = 0.0
+    """Wall time the loop last went from idle to busy; 0 while idle."""
+    started_at: float = field(default_factory=time.time)
+    beat_at: tuple[float, float] = field(default_factory=lambda: (time.time(), time.monotonic()))
+    """Wall and monotonic time of the heartbeat task's last beat (its event loop was alive)."""
 
     @property
     def run_dir(self) -> Path:
         return self.cfg.run_dir
+
+    def progressed(self, units: int = 1, *, tokens: int = 0) -> None:
+        """The work loop finished `units` of work (a group, a step, a hand-off); called by the
+        loop itself, never by a timer, so that a stuck loop stops advancing ``progress_at``."""
+        self.handled += units
+        self.tokens += tokens
+        self.progress_at = time.time()
+
+    @asynccontextmanager
+    async def working(self, phase: str) -> AsyncIterator[None]:
+        """Mark a unit of work under way (the worker is ``busy`` in `phase`) until the block ends."""
+        if not self.busy_in:
+            self.busy_at = time.time()
+        self.busy_in[phase] = self.busy_in.get(phase, 0) + 1
+        try:
+            await _injected_wedge(self.role, phase)
+            yield
+        finally:
+            left = self.busy_in[phase] - 1
+            if left:
+                self.busy_in[phase] = left
+            else:
+                del self.busy_in[phase]
+                if not self.busy_in:
+                    self.busy_at = 0.0
 
     def set_status(self, status: str, detail: str = "") -> None:
         if (status, detail) != (self.status, self.detail):
@@ -92,7 +131,42 @@ class WorkerContext:
             sent_at=time.time(),
             transports=list(self.transports),
             transfer_ranks=self.transfer_ranks,
+            handled=self.handled,
+            tokens=self.tokens,
+            progress_at=self.progress_at,
+            busy_at=self.busy_at,
+            phase=", ".join(sorted(self.busy_in)) or self.status,
+            held=self.bus.held,
+            started_at=self.started_at,
         )
+
+
+WEDGE_ENV = "AREAL_FAULT_WEDGE"
+"""Fault injection for stall tests and drills: ``ROLE:PHASE:MARKER``. The first worker of ROLE to
+start a unit of work whose phase begins with PHASE creates the file MARKER (holding its pid), and
+from then on no unit of that phase finishes in that process, while its heartbeats go on: a wedged
+work loop. Workers started later (its replacement) are not affected."""
+
+
+async def _injected_wedge(role: str, phase: str) -> None:
+    spec = os.environ.get(WEDGE_ENV, "")
+    if spec.count(":") < 2:
+        return
+    wedged_role, wedged_phase, marker = spec.split(":", 2)
+    if role == wedged_role and phase.startswith(wedged_phase) and _claim_wedge(marker):
+        log.warning("fault injected: this unit of work never finishes", env=WEDGE_ENV, phase=phase)
+        await anyio.sleep_forever()
+
+
+def _claim_wedge(marker: str) -> bool:
+    """True when this process is the wedged one: it creates `marker` now or created it before."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return Path(marker).read_text().strip() == str(os.getpid())
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
 
 
 def connect_options(bus_cfg: BusConfig, *, name: str) -> ConnectOptions:
@@ -294,6 +368,7 @@ async def _main(
         async with anyio.create_task_group() as tg:
             tg.start_soon(_signals, tg.cancel_scope)
             tg.start_soon(_heartbeats, ctx)
+            start_self_watchdog(cfg, lambda: _own_beat(ctx))
             tg.start_soon(_watch_run_end, ctx, tg.cancel_scope)
             await serve(ctx)
             tg.cancel_scope.cancel()
@@ -337,10 +412,17 @@ async def _signals(scope: anyio.CancelScope) -> None:
             return
 
 
+def _own_beat(ctx: WorkerContext) -> tuple[Heartbeat, float]:
+    """This worker's heartbeat as its own watchdog sees it: sent when its event loop last beat."""
+    wall, mono = ctx.beat_at
+    return msgspec.structs.replace(ctx.heartbeat(), sent_at=wall), mono
+
+
 async def _heartbeats(ctx: WorkerContext) -> None:
     subject = ctx.bus.subjects.heartbeat(ctx.role, ctx.worker_id)
     key = f"{ctx.role}.{ctx.worker_id}"
     while True:
+        ctx.beat_at = (time.time(), time.monotonic())
         beat = ctx.heartbeat()
         try:
             await ctx.bus.publish(subject, beat)

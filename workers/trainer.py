@@ -293,6 +293,13 @@ class Trainer:
         t_wait = time.monotonic()
         batch = await self.next_batch()
         wait_s = time.monotonic() - t_wait
+        async with self.ctx.working(f"training step {self.version + 1}"):
+            tokens = await self.train(batch, wait_s)
+        self.ctx.progressed(tokens=tokens)
+
+    async def train(self, batch: list[Held], wait_s: float) -> int:
+        """One step on `batch`: update, hand the weights out, report, checkpoint when due; returns
+        the trained tokens."""
         self.ctx.set_status("busy", f"step {self.version + 1}")
         samples = [to_sample(h.scored) for h in batch]
         t0 = time.monotonic()
@@ -352,6 +359,7 @@ class Trainer:
         every = self.cfg.checkpoint.every_steps
         if version % every == 0 or version >= self.cfg.trainer.total_steps:
             await self.commit(version)
+        return int(metrics.get("loss_tokens", 0.0))
 
     async def write_weights(self) -> None:
         """Background writer: HF checkpoint of each new version, then ``weights.published``."""

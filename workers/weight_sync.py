@@ -163,9 +163,12 @@ class WeightSync:
                 continue
             lagging = [k for k, e in live.items() if e.version != version]
             if lagging:
-                await self.sync(version, path)
+                async with self.ctx.working(f"handing out v{version}"):
+                    await self.sync(version, path)
+                self.ctx.progressed()
             elif self.served != version:
                 await self.mark_served(version, path, {"total_s": 0.0})
+                self.ctx.progressed()
 
     async def sync(self, version: int, path: str) -> None:
         try:

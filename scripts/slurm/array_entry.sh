@@ -8,7 +8,8 @@
 # refused here, with the right --array in the message. The trainer is not part of the
 # array: it needs all its nodes at once (scripts/slurm/trainer.sbatch).
 #
-# The worker itself is started by scripts/systemd/areal-worker-exec ROLE-INDEX, so every
+# The worker itself is started by scripts/systemd/areal-worker-exec ROLE-INDEX (through
+# stall_restart.sh, which starts it again when it exits 3: stalled), so every
 # variable documented there applies (AREAL_CONFIG, AREAL_NATS_URL, AREAL_SET, AREAL_SET_<ROLE>,
 # credentials, AREAL_DRY_RUN=1 to print the command instead of running it).
 # The default worker id is ROLE-INDEX-<host>; with several array jobs on one run give each a
@@ -46,4 +47,4 @@ if [ -n "${SLURM_ARRAY_TASK_MAX:-}" ] && [ "$SLURM_ARRAY_TASK_MAX" -ne $((total 
 fi
 [ -n "$instance" ] || die "task $task is outside the layout '$layout' ($total tasks: --array=0-$((total - 1)))"
 
-exec "$here/../systemd/areal-worker-exec" "$instance"
+exec "$here/stall_restart.sh" "$here/../systemd/areal-worker-exec" "$instance"

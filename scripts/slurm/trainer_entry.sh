@@ -35,4 +35,4 @@ export AREAL_TORCHRUN_RDZV_ID=$SLURM_JOB_ID
 # One worker id per node; torchrun ranks > 0 never talk to the bus.
 export AREAL_WORKER_ID=${AREAL_WORKER_ID:-trainer-$SLURM_JOB_ID-${SLURM_NODEID:-0}}
 
-exec "$here/../systemd/areal-worker-exec" trainer
+exec "$here/stall_restart.sh" "$here/../systemd/areal-worker-exec" trainer

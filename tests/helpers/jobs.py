@@ -91,20 +91,25 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def start_job(config: Path, *overrides: str) -> subprocess.Popen[bytes]:
+    """``areal-async run`` of `config` in the background. Its output goes to ``<config>.out`` as it
+    comes (a pipe nobody reads would fill and block the launcher, and the workers behind it)."""
     args = [sys.executable, "-m", "workers", "run", str(config), "--no-live"]
     for o in overrides:
         args += ["--set", o]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with open(config.with_suffix(".out"), "wb") as out:
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc.output_path = config.with_suffix(".out")  # type: ignore[attr-defined]
+    return proc
 
 
 def finish_job(proc: subprocess.Popen[bytes], run_dir: Path, started: float, timeout: float) -> JobResult:
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.terminate()
-        out, _ = proc.communicate(timeout=60)
-    text = out.decode(errors="replace")
+        proc.wait(timeout=60)
+    text = proc.output_path.read_text(errors="replace")  # type: ignore[attr-defined]
     (run_dir / "job.out").parent.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.out").write_text(text)
     return JobResult(run_dir, proc.returncode, text, time.monotonic() - started)

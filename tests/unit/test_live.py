@@ -13,7 +13,7 @@ from workers.live import render, role_health
 
 def test_live_display_shows_step_eval_and_role_health(tmp_path: Path) -> None:
     """Step metrics, the latest eval, each role's last status and its peak RSS appear in the
-    rendered tables."""
+    rendered tables; a role the watchdog found stalled and that has not healed yet is marked."""
     (tmp_path / "logs").mkdir()
     step = {
         "policy_version": 7,
@@ -29,6 +29,12 @@ def test_live_display_shows_step_eval_and_role_health(tmp_path: Path) -> None:
     )
     assert role_health(tmp_path, "trainer")[:2] == ("waiting", "2/4 groups")
     assert role_health(tmp_path, "reward")[0] == "starting"
+    stalls = [
+        {"event": "RunStalled", "role": "trainer", "state": "frozen"},
+        {"event": "RunHealed", "role": "trainer", "state": "frozen"},
+        {"event": "RunStalled", "role": "reward", "state": "wedged"},
+    ]
+    (tmp_path / "stalls.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stalls))
     console = Console(record=True, width=200)
 
     def procs(role: str) -> tuple[bool, int, int]:  # (process up, restarts, peak RSS bytes)
@@ -36,6 +42,7 @@ def test_live_display_shows_step_eval_and_role_health(tmp_path: Path) -> None:
 
     console.print(render(tmp_path, ["trainer", "reward"], procs, time.time()))
     text = console.export_text()
-    expected_text = ("0.438", "0.625 @v5", "2 / 1.50", "waiting", "2/4 groups", "starting", "down", "312 MiB")
-    for expected in expected_text:
+    expected_text = ("0.438", "0.625 @v5", "2 / 1.50", "waiting", "2/4 groups", "STALLED (wedged)", "down")
+    for expected in (*expected_text, "312 MiB"):
         assert expected in text, expected
+    assert "starting" not in text and "STALLED (frozen)" not in text  # reward stalled; trainer healed
