@@ -3,11 +3,12 @@
 Each configuration builds a training engine (`--backend`), makes a batch of `--seqs` sequences
 (prompt `--prompt-len`, completion lengths drawn uniformly from
 `[(1 - jitter) * completion_len, completion_len]`), runs `--warmup` untimed steps, then
-`--steps` timed ones. A step is what the trainer does per batch: one no-grad forward for
-pi_prox and the update with the run's loss (`areal_async.learner.make_loss_fn` over
-`algo.loss.policy_loss`, recipe `--loss-preset`), both in one `train_step(..., compute_prox=True)`
-as the learner runs them (`--prox separate`: `compute_logprobs` first, then `train_step`). The
-update's time is the step's minus the pi_prox pass's (`prox_seconds`).
+`--steps` timed ones. A step is what the trainer does per batch: the update with the run's loss
+(`areal_async.training.learner.make_loss_fn` over `algo.loss.policy_loss`, recipe `--loss-preset`)
+in one `train_step(..., compute_prox=True)`, pi_prox taken from the update's own forward as the
+learner does (`--prox update`); `--prox in-step` adds the separate no-grad pi_prox pass inside the
+step (`prox_pass=True`, the two-pass step), `--prox separate` runs it as `compute_logprobs` before
+`train_step`. `train_s` is the update's time, the step's minus that pass's (`prox_s`, 0 without it).
 MFU = 6 * params * tokens / update seconds / peak (tokens are non-pad tokens);
 `mfu_with_attn` adds the causal attention matmuls (3 x forward: 2 * L * (L + 1) * heads * head_dim
 per layer and sequence of length L), as PaLM-style MFU does.
@@ -216,8 +217,10 @@ def bench_one(
         torch.cuda.reset_peak_memory_stats()
     step_s, prox_s, last_loss = [], [], float("nan")
     for step in range(args.warmup + args.steps):
-        if args.prox == "in-step":
-            metrics = engine.train_step(shard, loss_fn, compute_prox=loss.decoupled)
+        if args.prox in ("update", "in-step"):
+            metrics = engine.train_step(
+                shard, loss_fn, compute_prox=loss.decoupled, prox_pass=args.prox == "in-step"
+            )
             prox_seconds = metrics.get("prox_seconds", 0.0)
             update_seconds = metrics["compute_seconds"] - prox_seconds
         else:
@@ -390,9 +393,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--prox",
-        choices=["in-step", "separate"],
-        default="in-step",
-        help="pi_prox inside train_step (compute_prox, as the learner) or a compute_logprobs call before it",
+        choices=["update", "in-step", "separate"],
+        default="update",
+        help="pi_prox from the update's forward (as the learner), from a pass inside train_step, or "
+        "from a compute_logprobs call before it",
     )
     parser.add_argument(
         "--loss-preset",

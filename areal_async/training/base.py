@@ -36,8 +36,11 @@ class TrainEngine(Protocol):
         *,
         global_tokens: int | float | None = None,
         compute_prox: bool = False,
+        prox_pass: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step on this rank's shard `seqs`; metrics reduced over ranks."""
+        """One optimizer step on this rank's shard `seqs`; metrics reduced over ranks. pi_prox
+        (`compute_prox`) comes from the update's own forward, or from a separate pass first
+        (`prox_pass`)."""
         ...
 
     def compute_logprobs(self, seqs: Sequence[TrainSequence]) -> list[torch.Tensor]:

@@ -6,11 +6,12 @@ Pipeline of one step (docs/design.md section 6), on B groups of G completions:
    run's LossConfig: shaping, group baseline/std, batch normalisation, overlong penalty);
 2. the batch is split over the trainer ranks (``shard``); each rank computes reference
    logprobs (when KL is on);
-3. the engine's ``train_step`` (``trainer.backend``: FSDP2 or megatron) with ``policy_loss`` as the loss: when the decoupled loss is
-   on it first computes pi_prox with one no-grad forward of each micro-batch
-   (``compute_prox``), then updates on the same micro-batches; the denominator is the
-   global one (``loss_denominator`` summed over every sequence), so the result is the
-   exact token mean over the whole batch on every rank count.
+3. the engine's ``train_step`` (``trainer.backend``: FSDP2 or megatron) with ``policy_loss`` as
+   the loss: when the decoupled loss is on, pi_prox is the logprobs of the weights the step starts
+   from, taken from each micro-batch's own update forward (``compute_prox``; a separate no-grad
+   pass first with ``trainer.prox_pass``, or LoRA dropout); the denominator is the global one
+   (``loss_denominator`` summed over every sequence), so the result is the exact token mean over
+   the whole batch on every rank count.
 
 Loss masks (multi-turn completions): only tokens the model generated are trained. Advantages,
 their statistics, the denominator, ``completion_len_mean`` and the overlong penalty count trained
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from areal_async.algo.advantages import compute_advantages
 from areal_async.algo.loss import loss_denominator, policy_loss
-from areal_async.config import LossConfig, RunConfig
+from areal_async.config import LossConfig, RunConfig, TrainerConfig
 from areal_async.models import set_torch_threads
 from areal_async.training.batching import TrainSequence
 from areal_async.training.fsdp.engine import FSDPTrainEngine, LossFn
@@ -208,6 +209,7 @@ class Learner:
         opt = t.optimizer
         self.cfg = cfg
         self.loss = t.loss
+        self.prox_pass = self.needs_prox_pass(t)
         self.max_new_tokens = cfg.rollout.sampling.max_new_tokens
         temperature = cfg.rollout.sampling.temperature or 1.0
         set_torch_threads(t.num_threads)
@@ -255,6 +257,12 @@ class Learner:
         self.rank = self.engine.rank
         self.world_size = self.engine.world_size
 
+    @staticmethod
+    def needs_prox_pass(t: TrainerConfig) -> bool:
+        """A separate pi_prox pass: asked for (``trainer.prox_pass``), or needed where the training
+        forward is random (LoRA dropout), so that it cannot stand for the policy's logprobs."""
+        return t.prox_pass or (t.lora is not None and t.lora.dropout > 0)
+
     @property
     def version(self) -> int:
         return self.engine.version
@@ -268,8 +276,10 @@ class Learner:
                 s.ref_logprobs = ref
         ref_s = time.perf_counter() - started
         loss_fn = make_loss_fn(self.loss, max_new_tokens=self.max_new_tokens, denominator=denominator)
-        # pi_prox comes from the step's own micro-batches (train_step's compute_prox).
-        metrics = self.engine.train_step(seqs, loss_fn, compute_prox=self.loss.decoupled)
+        # pi_prox comes from the update's own forward (train_step's compute_prox), or a pass first.
+        metrics = self.engine.train_step(
+            seqs, loss_fn, compute_prox=self.loss.decoupled, prox_pass=self.prox_pass
+        )
         metrics["ref_seconds"] = ref_s
         return metrics
 

@@ -223,9 +223,15 @@ class TrainLoop:
         prox: list[Prox],
         loss_fn: LossFn,
         denominator: torch.Tensor,
+        *,
+        prox_from_update: bool = False,
     ) -> UpdateSums:
         """Forward, loss and backward of every bin (an empty pass for None), in order; returns the
-        summed loss, the summed entropy of trained tokens and loss_fn's accumulated stats."""
+        summed loss, the summed entropy of trained tokens and loss_fn's accumulated stats.
+
+        `prox_from_update`: pi_prox of each micro-batch is its own forward's logprobs, detached,
+        which are those of a separate no-grad pass: the weights do not change before the step's one
+        optimizer step (`train_step`)."""
         sums = self.new_sums()
         self.model.train()
         for k, bin_ in enumerate(bins):
@@ -236,6 +242,8 @@ class TrainLoop:
             done, prox[k] = prox[k], None  # each batch lives until its update only
             mb, inputs = self.loss_batch(seqs, bin_, done)
             logprobs_BT, entropy_BT = self._forward(mb, inputs)
+            if prox_from_update:
+                mb["prox_logprobs"] = logprobs_BT.detach()
             mb.update(logprobs=logprobs_BT, entropy=entropy_BT)
             self.add_loss(sums, mb, loss_fn, denominator).backward()
         return sums
@@ -287,6 +295,7 @@ class TrainLoop:
         *,
         global_tokens: int | float | None = None,
         compute_prox: bool = False,
+        prox_pass: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on this rank's shard `seqs`; returns metrics reduced over ranks.
 
@@ -294,11 +303,14 @@ class TrainLoop:
         `mb["global_tokens"]`; None means the trained completion tokens of all ranks (token mean).
         Pass the global sequence count (etc.) for sequence-mean aggregations.
 
-        `compute_prox`: first compute pi_prox with a no-grad forward of every micro-batch (what
-        `compute_logprobs` returns) into `mb["prox_logprobs"]`, replacing the sequences' own,
-        then update on the same micro-batches: each is collated and copied to the device once,
-        and no host round trip separates the two passes. Adds the metric prox_seconds (from the
-        start of the step to the end of that pass, slowest rank; part of compute_seconds).
+        `compute_prox`: pi_prox is the logprobs of the weights this step starts from, in
+        `mb["prox_logprobs"]`, replacing the sequences' own. The step makes one optimizer step
+        after all its micro-batches, so each micro-batch's own forward gives them (detached): no
+        extra pass. With `prox_pass` a no-grad forward of every micro-batch computes them first
+        (what `compute_logprobs` returns; each micro-batch is collated and copied to the device
+        once) and adds the metric prox_seconds (from the start of the step to the end of that
+        pass, slowest rank; part of compute_seconds): the two-pass step, for checking, and for
+        models whose training forward differs from an evaluation one (dropout).
 
         Metrics: loss (sum over micro-batches and ranks), grad_norm (global, before
         clipping), lr (used by this step), entropy (mean over trained completion tokens),
@@ -319,10 +331,13 @@ class TrainLoop:
         denominator = torch.tensor(float(max(global_tokens, 1)), device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
         bins = self._micro_batches(seqs)
-        prox = self._logprob_pass(seqs, bins) if compute_prox else [None] * len(bins)
-        if compute_prox:
+        separate = compute_prox and prox_pass
+        prox = self._logprob_pass(seqs, bins) if separate else [None] * len(bins)
+        if separate:
             clock.mark()
-        loss_sum, entropy_sum, stats_acc = self._update_passes(seqs, bins, prox, loss_fn, denominator)
+        loss_sum, entropy_sum, stats_acc = self._update_passes(
+            seqs, bins, prox, loss_fn, denominator, prox_from_update=compute_prox and not prox_pass
+        )
 
         grad_norm = self._clip_gradients()
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -340,11 +355,11 @@ class TrainLoop:
         seconds = time.perf_counter() - start
 
         engine_sums = [loss_sum, entropy_sum, float(local_tokens), float(local_loss_tokens)]
-        engine_maxes = [seconds] + ([clock.seconds()] if compute_prox else [])
+        engine_maxes = [seconds] + ([clock.seconds()] if separate else [])
         sums, maxes = self._reduce_stats(stats_acc, engine_sums, engine_maxes)
         loss_value, entropy_total, total_tokens, loss_tokens = (sums.pop(k) for k in range(4))
         seconds = maxes.pop(0)
-        prox_seconds = maxes.pop(1) if compute_prox else None
+        prox_seconds = maxes.pop(1) if separate else None
         metrics: dict[str, float] = {
             "loss": loss_value,
             "grad_norm": grad_norm,

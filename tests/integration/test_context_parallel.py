@@ -52,8 +52,9 @@ def test_context_parallel_pairs_train_as_one_process(tied_model: Path, tmp_path:
     """Ranks 0-1 and 2-3 are context-parallel pairs holding half of every packed row each (sequences
     cut between them, queries attending to the other rank's keys); the pairs are data-parallel. Every
     rank reports the logprobs of its pair's shard and the losses, grad norms and token counts of one
-    process on the whole batch, pi_prox inside the step equals the separate pass, and rank 0's
-    weights after the steps are that process's."""
+    process on the whole batch, and rank 0's weights after the steps are that process's. A further
+    step with pi_prox from the update's own forward reports what that process's two-pass step
+    (pi_prox from a separate pass) does."""
     mp.spawn(_rank_main, args=(tied_model, tmp_path, free_port()), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"cp-rank{r}.pt", weights_only=False) for r in range(WORLD)]
     assert [r["dp_rank"] for r in ranks] == [0, 0, 1, 1]
@@ -64,15 +65,18 @@ def test_context_parallel_pairs_train_as_one_process(tied_model: Path, tmp_path:
     batch = make_batch()
     prox = single.compute_logprobs(batch)
     wants = [single.train_step(batch, pg_loss) for _ in range(STEPS)]
+    after = single.snapshot_hf()
+    two_pass = single.train_step(batch, ratio_loss, compute_prox=True, prox_pass=True)
     for r in ranks:
         for got, want in zip(r["prox"], prox[r["dp_rank"] :: 2], strict=True):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         for got, want in zip(r["metrics"], wants, strict=True):
             for key in ("loss", "grad_norm", "entropy", "token_share", "loss_tokens", "total_tokens"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
-        assert r["prox_step"]["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # pi_prox of the same weights
+        for key in ("loss", "grad_norm", "prox_sum", "ratio_max"):
+            assert r["prox_step"][key] == pytest.approx(two_pass[key], rel=1e-5, abs=1e-6), key
     assert ranks[1]["weights"] is None
-    assert_same_updates(ranks[0]["weights"], single.snapshot_hf(), before, steps=STEPS)
+    assert_same_updates(ranks[0]["weights"], after, before, steps=STEPS)
 
 
 def test_context_parallel_must_divide_the_ranks_and_stays_off_megatron() -> None:

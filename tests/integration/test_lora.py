@@ -112,6 +112,29 @@ def test_merged_weights_give_the_trainer_s_logprobs(untied: Path) -> None:
         torch.testing.assert_close(x, y, atol=2e-5, rtol=0)
 
 
+def test_adapters_take_pi_prox_from_the_update_as_from_a_separate_pass(untied: Path) -> None:
+    """With LoRA (dropout 0) pi_prox from the update's own forward gives the two-pass step's loss,
+    gradient norm and stats and the same adapters; the learner keeps the separate pass where
+    adapter dropout makes the training forward random."""
+    from areal_async.config import TrainerConfig
+    from areal_async.training.learner import Learner
+    from tests.integration.test_fsdp import ratio_loss
+
+    engines = {way: make_engine(untied) for way in ("update", "pass")}
+    for _ in range(2):
+        a = engines["update"].train_step(batch(0), ratio_loss, compute_prox=True)
+        b = engines["pass"].train_step(batch(0), ratio_loss, compute_prox=True, prox_pass=True)
+        for key in ("loss", "grad_norm", "prox_sum", "ratio_max"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+    ours, theirs = engines["update"].snapshot_hf(), engines["pass"].snapshot_hf()
+    assert ours is not None and theirs is not None
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name], atol=1e-7, rtol=0)
+    with_dropout = TrainerConfig(lora=dataclasses.replace(SPEC, dropout=0.1))
+    assert Learner.needs_prox_pass(with_dropout) and not Learner.needs_prox_pass(TrainerConfig(lora=SPEC))
+    assert Learner.needs_prox_pass(TrainerConfig(prox_pass=True))
+
+
 def test_unknown_target_module_names_the_model_s_linear_modules(untied: Path) -> None:
     with pytest.raises(ValueError, match=r"no linear module called.*q_proj"):
         make_engine(untied, lora=lora.LoraConfig(target_modules=["qkv_proj"]))

@@ -1,6 +1,7 @@
 """Megatron backend on CPU (gloo): megatron-core's GPT model trained by the shared loop agrees with the
 FSDP2 engine on Llama, Qwen2 and Qwen3 models, at tensor_parallel 1 and 2 (with and without sequence
-parallelism), over 2 and 3 pipeline stages, with context and data parallelism, and its sharded
+parallelism), over 2 and 3 pipeline stages, with context and data parallelism, a step with pi_prox
+from the update's own forward equals FSDP2's two-pass step on every layout, and its sharded
 checkpoints resume losslessly at another tensor-parallel, pipeline or data-parallel size.
 
 megatron-core keeps global parallel state and needs a process group, so every Megatron engine runs in
@@ -31,7 +32,7 @@ from areal_async.training.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.training.fsdp.engine import FSDPTrainEngine
 from tests.helpers.fsdp_helpers import as_torchrun_rank, random_batch
 from tests.helpers.numerics import LINEAR_ADAM, assert_same_updates
-from tests.integration.test_fsdp import free_port, pg_loss
+from tests.integration.test_fsdp import free_port, pg_loss, ratio_loss
 
 pytest.importorskip("megatron.core")
 
@@ -127,6 +128,8 @@ def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str,
                     save_checkpoint(job["checkpoint"], STEPS, engine=engine, extra={})
                     result["next"] = engine.train_step(seqs, pg_loss)
                     result["weights_after"] = engine.snapshot_hf()
+                else:  # pi_prox from the update's own forward, on every layout
+                    result["prox_step"] = engine.train_step(seqs, ratio_loss, compute_prox=True)
             torch.save(result, out / f"{job['name']}-rank{rank}.pt")
         dist.barrier()
     finally:
@@ -138,10 +141,13 @@ def spawn(world: int, out: Path, jobs: list[dict[str, Any]]) -> None:
 
 
 def reference(model: Path) -> tuple[FSDPTrainEngine, dict[str, Any]]:
+    """One FSDP2 process: `run_engine`, then a two-pass step (pi_prox from a separate pass)."""
     torch.set_num_threads(1)
     engine = FSDPTrainEngine(model, **OPTIONS)
     before = engine.snapshot_hf()
-    return engine, run_engine(engine, make_batch()) | {"before": before}
+    out = run_engine(engine, make_batch()) | {"before": before}
+    out["prox_step"] = engine.train_step(make_batch(), ratio_loss, compute_prox=True, prox_pass=True)
+    return engine, out
 
 
 def assert_same_run(got: dict[str, Any], want: dict[str, Any], seqs_of_rank: slice = slice(None)) -> None:
@@ -157,6 +163,9 @@ def assert_same_run(got: dict[str, Any], want: dict[str, Any], seqs_of_rank: sli
             )
     if got["weights"] is not None:
         assert_same_updates(got["weights"], want["weights"], want["before"], steps=STEPS)
+    if "prox_step" in got:  # pi_prox from the update == the reference's separate pass
+        for key in ("loss", "grad_norm", "prox_sum", "ratio_max"):
+            assert got["prox_step"][key] == pytest.approx(want["prox_step"][key], rel=1e-5, abs=1e-6), key
 
 
 def test_megatron_matches_fsdp2_on_each_family_and_tensor_parallel_resumes_at_tp1(

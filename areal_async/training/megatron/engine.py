@@ -388,10 +388,23 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
 
     # ------------------------------------------------------------- pipeline
 
-    def _update_passes(self, seqs: Any, bins: Any, prox: Any, loss_fn: Any, denominator: Any) -> Any:
+    def _update_passes(
+        self,
+        seqs: Any,
+        bins: Any,
+        prox: Any,
+        loss_fn: Any,
+        denominator: Any,
+        *,
+        prox_from_update: bool = False,
+    ) -> Any:
         if self.stages.size == 1:
-            return super()._update_passes(seqs, bins, prox, loss_fn, denominator)
-        return megatron_pipeline.update_passes(self, seqs, bins, prox, loss_fn, denominator)
+            return super()._update_passes(
+                seqs, bins, prox, loss_fn, denominator, prox_from_update=prox_from_update
+            )
+        return megatron_pipeline.update_passes(
+            self, seqs, bins, prox, loss_fn, denominator, prox_from_update=prox_from_update
+        )
 
     def _logprob_pass(self, seqs: Any, bins: Any) -> Any:
         if self.stages.size == 1:

@@ -217,8 +217,11 @@ def update_passes(
     prox: list[Prox],
     loss_fn: LossFn,
     denominator: torch.Tensor,
+    *,
+    prox_from_update: bool = False,
 ) -> UpdateSums:
-    """`TrainLoop._update_passes` over pipeline stages (`schedule`); the sums are the last stage's."""
+    """`TrainLoop._update_passes` over pipeline stages (`schedule`); the sums are the last stage's,
+    and so is pi_prox from the update (`prox_from_update`: the last stage's own logprobs)."""
     stages, p2p = engine.stages, P2P(engine.stages, engine.device)
     sums = engine.new_sums()
     engine.model.train()
@@ -250,6 +253,8 @@ def update_passes(
         if bin_ is None:
             kept[k, chunk] = (x, logprobs_BT.sum() * 0.0)
             return
+        if prox_from_update:
+            mb["prox_logprobs"] = logprobs_BT.detach()
         mb.update(logprobs=logprobs_BT, entropy=entropy_BT)
         kept[k, chunk] = (x, engine.add_loss(sums, mb, loss_fn, denominator))
 
