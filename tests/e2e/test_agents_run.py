@@ -117,7 +117,7 @@ def test_killing_a_role_mid_episode_loses_nothing(tmp_path: Path, tiny_model: Pa
     proc = start_job(cfg)
     deadline = time.monotonic() + 300
     while steps_done(run_dir) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.3)
+        time.sleep(0.05)
     logs = sorted((run_dir / "logs").glob(f"{victim}-*.jsonl"), key=lambda p: p.stat().st_mtime)
     assert logs, f"no {victim} worker log"
     os.kill(int(logs[-1].stem.rsplit("-", 1)[1]), signal.SIGKILL)

@@ -30,7 +30,7 @@ from tests.helpers.jobs import (
 )
 from workers.roles import run_roles
 
-TOTAL, BATCH = 8, 4
+TOTAL, BATCH = 16, 4
 ROLES = run_roles(uses_agents=False)
 
 
@@ -47,7 +47,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

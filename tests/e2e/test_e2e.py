@@ -129,7 +129,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        time.sleep(0.05)  # a tiny run trains several steps a second
 
 
 def _pid_of(run_dir: Path, role: str) -> int:
@@ -191,7 +191,7 @@ def test_killed_worker_loses_nothing_and_trains_nothing_twice(
     """SIGKILL of the trainer (between checkpoints) or of a generation worker mid-run: the
     supervisor restarts it, the run completes, and the committed steps cover every task
     exactly once; after a trainer restore the lost steps are re-trained, not skipped."""
-    total, batch = 10, 4
+    total, batch = 20, 4
     res, steps = kill_mid_run(
         tmp_path, tiny_model, f"kill-{victim}", victim, total=total, batch=batch, after=5
     )
@@ -204,7 +204,7 @@ def test_killed_worker_loses_nothing_and_trains_nothing_twice(
 def test_ctrl_c_stops_the_run_and_the_same_command_resumes_it(tmp_path: Path, tiny_model: Path) -> None:
     """SIGINT to `areal-async run` stops every process cleanly; running the same command again
     continues from the last checkpoint and finishes with every step trained exactly once."""
-    total, batch = 8, 4
+    total, batch = 24, 4
     cfg = tiny_config(
         tmp_path,
         tiny_model,

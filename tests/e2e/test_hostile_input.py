@@ -46,7 +46,7 @@ from tests.helpers.jobs import (
     tiny_config,
 )
 
-STEPS, BATCH = 8, 8
+STEPS, BATCH = 16, 8
 
 
 def _ops_options(run_dir: Path) -> ConnectOptions:
@@ -160,7 +160,7 @@ def test_forged_events_on_every_subject_neither_stop_the_run_nor_get_trained(
     proc = start_job(cfg)
     deadline = time.monotonic() + 300
     while steps_done(run_dir) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.05)
     assert proc.poll() is None, "the run ended before the attack"
     sent = anyio.run(_attack, run_dir, "hostile", backend="asyncio")
     res = finish_job(proc, run_dir, started, timeout=600)

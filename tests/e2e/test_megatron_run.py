@@ -31,7 +31,7 @@ def test_megatron_run_serves_every_version_through_a_trainer_restart(
         tiny_sft_model,
         "megatron",
         "trainer",
-        total=8,
+        total=16,
         batch=4,
         after=5,
         rollout__max_staleness=0,
@@ -59,5 +59,5 @@ def test_megatron_run_serves_every_version_through_a_trainer_restart(
 
     # The check above could fail: training moved the published weights far beyond float noise.
     first = load_file(tiny_sft_model / "model.safetensors")
-    last = load_file(res.run_dir / "weights" / "v8" / "model.safetensors")
+    last = load_file(res.run_dir / "weights" / "v16" / "model.safetensors")
     assert max((last[k] - first[k]).abs().max().item() for k in first) > 1e-3

@@ -113,3 +113,29 @@ def test_packed_varlen_rows_train_like_padded_rows_on_cuda(
     step_a = torch.cat([p.detach().flatten() for p in padded.params]) - before
     step_b = torch.cat([p.detach().flatten() for p in packed.params]) - before
     assert float(torch.nn.functional.cosine_similarity(step_a, step_b, dim=0)) > 0.99
+
+
+def test_pi_prox_from_the_update_matches_a_separate_pass_in_bf16(model_dir: Path) -> None:
+    """bf16 autocast on CUDA, packed rows: pi_prox taken from the update's own forward equals a
+    separate no-grad pass (the two-pass step), and the two steps report the same loss, gradient
+    norm and pi_prox sum, two steps in a row."""
+    from tests.integration.test_fsdp import ratio_loss
+
+    batch = make_batch()
+    engines = {way: make_engine(model_dir, packed=True) for way in ("update", "pass")}
+    for _ in range(2):
+        seen: dict[str, torch.Tensor] = {}
+        metrics = {}
+        for way, engine in engines.items():
+            parts: list[torch.Tensor] = []
+
+            def recording(mb: dict[str, torch.Tensor], parts: list[torch.Tensor] = parts) -> object:
+                parts.append(mb["prox_logprobs"][mb["mask"]].float())
+                return ratio_loss(mb)
+
+            metrics[way] = engine.train_step(batch, recording, compute_prox=True, prox_pass=way == "pass")
+            seen[way] = torch.cat(parts)
+        torch.testing.assert_close(seen["update"], seen["pass"], atol=2e-2, rtol=0)
+        for key in ("loss", "grad_norm", "prox_sum"):
+            assert metrics["update"][key] == pytest.approx(metrics["pass"][key], rel=1e-2, abs=1e-3), key
+        assert "prox_seconds" in metrics["pass"] and "prox_seconds" not in metrics["update"]
