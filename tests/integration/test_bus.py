@@ -108,6 +108,8 @@ async def test_every_event_type_round_trips_through_nats(
         (s.deadletter, "DeadLetter"),
         (s.metrics, "MetricsReport"),
         (s.run_ended, "RunEnded"),
+        (s.run_stalled, "RunStalled"),
+        (s.run_healed, "RunHealed"),
         (s.generate, "GenerateCall"),
     ]
     # GenerateReply has no subject: it goes to the caller's inbox (test_a_request_reaches_one_member...).
