@@ -3,7 +3,8 @@
 Real nats-server, real worker processes, the tiny model on CPU. One run goes through every stall
 the watchdog must heal: a reward worker whose unit of work never finishes while its heartbeats go on
 (``AREAL_FAULT_WEDGE``), then a SIGSTOP of each of generation, reward, trainer, weight-sync and
-controller, one at a time, each left frozen until the watchdog kills it.
+controller, one at a time, each left frozen until the watchdog kills it. Two more runs freeze one
+rank of a two-rank torchrun trainer, and the agent worker of a multi-turn run.
 """
 
 from __future__ import annotations
@@ -184,4 +185,43 @@ def test_a_frozen_rank_of_a_torchrun_trainer_wedges_rank_0_and_the_trainer_is_re
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     [stall] = [r for r in _stall_records(run_dir) if r["event"] == "RunStalled"]
     assert stall["role"] == "trainer" and "busy in training step" in stall["evidence"]
+    _check_exactly_once(read_steps(run_dir, name), total, batch)
+
+
+@pytest.mark.timeout(900)
+def test_a_frozen_agent_worker_is_replaced_and_its_episodes_are_run_again(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """A multi-turn run whose agent worker (it takes the prompts and scores its own episodes) is
+    SIGSTOPped after two steps and never thawed: named frozen, killed, restarted; its unfinished
+    tasks are redelivered and the run completes with every task trained once."""
+    from tests.e2e.test_agents_run import _agent_config
+
+    name = "agent-stall"
+    run_dir = tmp_path / name
+    total, batch = 12, 8
+    cfg = _agent_config(
+        tmp_path,
+        tiny_model,
+        name,
+        trainer__total_steps=total,
+        trainer__batch_size=batch,
+        trainer__eval_every=0,
+        dataset__eval_size=4,
+        rollout__group_size=4,
+        checkpoint__every_steps=2,
+        watchdog__frozen_after_s=6,
+    )
+    started = time.monotonic()
+    proc = start_job(cfg)
+    try:
+        _wait_for(lambda: steps_done(run_dir) >= 2, 300, "2 steps")
+        pid = _pid_of(run_dir, "agent")
+        os.kill(pid, signal.SIGSTOP)
+        _wait_for(lambda: _healed_after(run_dir, "agent", "frozen", 1), 300, "the agent worker healed")
+    finally:
+        res = finish_job(proc, run_dir, started, timeout=600)
+    assert res.returncode == 0, res.output[-4000:]
+    [stall] = [r for r in _stall_records(run_dir) if r["event"] == "RunStalled"]
+    assert (stall["role"], stall["pid"], stall["action"]) == ("agent", pid, "killed")
     _check_exactly_once(read_steps(run_dir, name), total, batch)
