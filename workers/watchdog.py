@@ -113,6 +113,9 @@ class StallTracker:
     """Workers found frozen or wedged and not yet healed."""
     last_progress: dict[str, float] = field(default_factory=dict)
     """Local time of each role's newest unit of work, from any of its workers (a stopped one too)."""
+    view_since: float = float("-inf")
+    """Local time since which the watchdog has heard the bus without a gap (its own connection was
+    down before): silence before it is no evidence against a worker."""
 
     def beat(self, beat: Heartbeat, now: float) -> None:
         key = (beat.role, beat.worker_id)
@@ -148,8 +151,10 @@ class StallTracker:
 
     def _classify(self, seen: _Seen, now: float) -> Verdict:
         b = seen.beat
-        silent = now - seen.received
+        silent = now - max(seen.received, self.view_since)
         base = Verdict(role=b.role, worker_id=b.worker_id, pid=b.pid, state="healthy", evidence="")
+        if seen.received < self.view_since and silent <= self.cfg.frozen_after_s:
+            return base  # not heard since the watchdog's view came back: too early to tell
         if silent > self.cfg.frozen_after_s:
             last = seen.received - (b.sent_at - b.progress_at) if b.progress_at > 0 else seen.received
             return _with(
@@ -262,6 +267,9 @@ async def watch(
         tg.start_soon(read_beats)
         while not stop():
             await anyio.sleep(interval)
+            if not bus.nc.is_connected:  # blind: what is not heard now says nothing of the workers
+                tracker.view_since = time.monotonic()
+                continue
             tracker.consumers(await undelivered(bus))
             now = time.monotonic()
             verdicts = tracker.check(now)

@@ -50,6 +50,19 @@ def test_a_worker_whose_beats_stop_is_frozen_after_the_limit() -> None:
     assert frozen.stalled_since == 99.0  # its last unit of work
 
 
+def test_silence_while_the_watchdog_itself_was_cut_off_is_no_evidence() -> None:
+    """The watchdog's own connection was down from 105 s to 140 s (a broker restart): a worker last
+    heard at 100 s is not frozen at 141 s; it is if it stays silent for the limit after the view
+    came back."""
+    t = StallTracker(CFG)
+    t.beat(beat("reward", 100.0, progress_at=99.0), now=100.0)
+    t.view_since = 140.0
+    assert verdict(t, "reward", 141.0).state == "healthy"
+    assert verdict(t, "reward", 149.0).state == "healthy"
+    frozen = verdict(t, "reward", 151.0)
+    assert frozen.state == "frozen" and "no heartbeat for 11.0 s" in frozen.evidence
+
+
 def test_busy_without_progress_is_wedged_only_past_the_first_progress_allowance() -> None:
     """Beating and busy since 50 s (after an idle start) without a finished unit: healthy until
     first_progress_s of busy time (a first step with compilation), wedged after it."""
