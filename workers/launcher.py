@@ -329,11 +329,11 @@ def launch(
         code = _supervise(children, server, stopping, tick, lambda c: _start(c, out_lock, not live, logs))
     finally:
         watching.set()
-        if watcher is not None:  # before the server stops: its connection closes cleanly
-            watcher.join(timeout=2 * cfg.bus.heartbeat_interval_s + 5)
         if display is not None:
             display.stop()
         _stop(children, STOP_GRACE_S)
+        if watcher is not None:  # before the server stops, so that its connection closes cleanly
+            watcher.join(timeout=10)
         if server is not None:
             server.stop()
         for s, h in old.items():

@@ -248,10 +248,10 @@ async def watch(
     cfg: RunConfig,
     act: Callable[[Verdict], str],
     *,
-    stop: Callable[[], bool],
+    stop: threading.Event,
     warn: Callable[[str], None],
 ) -> None:
-    """Watch the run until ``stop()``; see the module docstring. ``act`` returns what it did
+    """Watch the run until ``stop`` is set; see the module docstring. ``act`` returns what it did
     (``killed`` or ``none``); ``warn`` prints a line for the operator."""
     tracker = StallTracker(cfg.watchdog)
     interval = cfg.bus.heartbeat_interval_s
@@ -265,8 +265,9 @@ async def watch(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(read_beats)
-        while not stop():
-            await anyio.sleep(interval)
+        while not stop.is_set():
+            if await anyio.to_thread.run_sync(stop.wait, interval):  # set: a stop is seen at once
+                break
             if not bus.nc.is_connected:  # blind: what is not heard now says nothing of the workers
                 tracker.view_since = time.monotonic()
                 continue
@@ -335,7 +336,7 @@ def start_thread(
         while not stop.is_set():
             try:
                 async with await connect(options, cfg.name) as bus:
-                    await watch(bus, cfg, act, stop=stop.is_set, warn=warn)
+                    await watch(bus, cfg, act, stop=stop, warn=warn)
             except Exception as exc:
                 log.warning("watchdog lost its bus connection; retrying", error=str(exc))
                 await anyio.sleep(cfg.bus.heartbeat_interval_s)
