@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -91,15 +92,16 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def start_job(config: Path, *overrides: str) -> subprocess.Popen[bytes]:
-    """``areal-async run`` of `config` in the background. Its output goes to ``<config>.out`` as it
-    comes (a pipe nobody reads would fill and block the launcher, and the workers behind it)."""
+    """``areal-async run`` of `config` in the background. Its output goes to a temporary file as it
+    comes (a pipe nobody reads would fill and block the launcher, and the workers behind it);
+    ``finish_job`` moves it to ``<run_dir>/job.out``."""
     args = [sys.executable, "-m", "workers", "run", str(config), "--no-live"]
     for o in overrides:
         args += ["--set", o]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(config.with_suffix(".out"), "wb") as out:
+    with tempfile.NamedTemporaryFile(prefix=f"{config.stem}-", suffix=".out", delete=False) as out:
         proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    proc.output_path = config.with_suffix(".out")  # type: ignore[attr-defined]
+    proc.output_path = Path(out.name)  # type: ignore[attr-defined]
     return proc
 
 
@@ -109,7 +111,9 @@ def finish_job(proc: subprocess.Popen[bytes], run_dir: Path, started: float, tim
     except subprocess.TimeoutExpired:
         proc.terminate()
         proc.wait(timeout=60)
-    text = proc.output_path.read_text(errors="replace")  # type: ignore[attr-defined]
+    output: Path = proc.output_path  # type: ignore[attr-defined]
+    text = output.read_text(errors="replace")
+    output.unlink()
     (run_dir / "job.out").parent.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.out").write_text(text)
     return JobResult(run_dir, proc.returncode, text, time.monotonic() - started)
