@@ -30,6 +30,8 @@ line; the role's next progress gets ``run.healed`` with the stall's duration. Bo
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 import time
 from collections import deque
@@ -358,9 +360,6 @@ scripts). Under systemd (``NOTIFY_SOCKET`` and ``WATCHDOG_USEC`` set) it stops n
 
 def sd_notify(message: str) -> None:
     """Send `message` (``READY=1``, ``WATCHDOG=1``) to systemd's notify socket, if there is one."""
-    import os
-    import socket
-
     path = os.environ.get("NOTIFY_SOCKET", "")
     if not path:
         return
@@ -379,8 +378,6 @@ def start_self_watchdog(
     Frozen or wedged: exit with ``STALLED_EXIT`` (``AREAL_SELF_WATCHDOG=exit``), or stop
     notifying so that systemd's ``WatchdogSec`` kills and restarts the worker. Returns the thread,
     or None when neither applies."""
-    import os
-
     usec = os.environ.get("WATCHDOG_USEC", "")
     systemd = bool(os.environ.get("NOTIFY_SOCKET")) and usec.isdigit()
     exit_on_stall = os.environ.get(SELF_WATCHDOG_ENV) == "exit"
