@@ -11,7 +11,8 @@ Rendered two ways, from the same dicts:
   permissions pinned to ``run`` (its subjects, streams and buckets only).
 
 Patterns name the run's parts by placeholder: ``{run}`` the run name, ``{state}`` and
-``{workers}`` the KV buckets, ``{PROMPT}``... the streams (``bus.subjects``). Rendered for every
+``{workers}`` the KV buckets, ``{weights}`` the object store of the policy versions,
+``{PROMPT}``... the streams (``bus.subjects``). Rendered for every
 run they all become ``*``. A denied publish is not delivered; the server reports it to the
 client (``Permissions Violation for Publish to ...``), which raises ``BusPermissionError``.
 """
@@ -67,7 +68,7 @@ GENERATION: Permissions = {
             "$JS.API.>", "$JS.FC.>", "$JS.ACK.{PROMPT}.generation.>",
             "$KV.{workers}.generation.>",
         ],
-        "deny": COMMON_DENY,
+        "deny": ["$O.{weights}.>", *COMMON_DENY],
     },
     "subscribe": SUBSCRIBE,
     "allow_responses": True,
@@ -94,6 +95,7 @@ TRAINER: Permissions = {
             "areal.{run}.heartbeat.trainer.>",
             "$JS.API.>", "$JS.FC.>", "$JS.ACK.{SCORED}.trainer.>",
             "$KV.{state}.weights.published", "$KV.{workers}.trainer.>",
+            "$O.{weights}.>",
         ],
         "deny": COMMON_DENY,
     },
@@ -148,6 +150,9 @@ variables ``permissions.conf`` defines: nats-server refuses a variable no user r
 user joins here together with its entry in those files."""
 
 NOTES = {
+    "generation": "Engines read the weights bucket (JetStream API: direct gets, a pull consumer) and\n"
+    "may never write it; the deny is spelled out for that.",
+    "trainer": "The only writer of the weights bucket ($O.<bucket>.>: chunks and object info).",
     "reward": "The deny of weights is not needed given the allow list; it is spelled out because\n"
     "a reward worker must never be able to announce or load weights.",
     "agent": "Agents take prompt tasks (the generation durable), call generation workers and publish\n"
@@ -171,7 +176,8 @@ HEADER = """\
 #   subscribe _INBOX.> (replies, pull deliveries) and areal.> (events)
 # Each key of the state bucket areal_<run>_state has one writer: the controller
 # (controller, controller.quarantined, run.ended, issued.<task_id>), the trainer
-# (weights.published) or the weight-sync worker (weights.served).
+# (weights.published) or the weight-sync worker (weights.served). Only the trainer writes the
+# object store of the policy versions ($O.<bucket>.>); engines read it through $JS.API.
 # Deleting or purging streams and consumers is left to the ops user.
 # `*` matches every run; `areal-async run` pins its embedded server's users to the run.
 # A denied publish is not delivered and the server tells the client
@@ -187,10 +193,15 @@ def variable(user: str) -> str:
 def _names(run: str | None) -> dict[str, str]:
     """Placeholder values: the run's names, or ``*`` everywhere when ``run`` is None."""
     if run is None:
-        keys = ["run", "state", "workers", *(s.key for s in Subjects("x").streams)]
+        keys = ["run", "state", "workers", "weights", *(s.key for s in Subjects("x").streams)]
         return dict.fromkeys(keys, "*")
     subjects = Subjects(run)
-    names = {"run": run, "state": subjects.state_bucket, "workers": subjects.workers_bucket}
+    names = {
+        "run": run,
+        "state": subjects.state_bucket,
+        "workers": subjects.workers_bucket,
+        "weights": subjects.weights_bucket,
+    }
     return names | {s.key: s.name for s in subjects.streams}
 
 
