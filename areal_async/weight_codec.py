@@ -66,19 +66,28 @@ def _words(buffer: bytes | bytearray | memoryview | np.ndarray, word_bytes: int)
     return raw.view(_DTYPES[word_bytes])
 
 
-def _planes(words: np.ndarray) -> bytes:
+def _planes(words: np.ndarray) -> np.ndarray:
+    # One strided copy per plane: several times faster than copying the transposed view at once.
     width = words.dtype.itemsize
-    return words.view(np.uint8).reshape(-1, width).T.tobytes()
+    columns = words.view(np.uint8).reshape(-1, width)
+    out = np.empty((width, columns.shape[0]), dtype=np.uint8)
+    for k in range(width):
+        out[k] = columns[:, k]
+    return out
 
 
 def _unplanes(data: bytes, word_bytes: int) -> np.ndarray:
     raw = np.frombuffer(data, dtype=np.uint8)
     if raw.size % word_bytes:
         raise CodecError(f"{raw.size} decoded bytes are not a whole number of {word_bytes}-byte words")
-    return np.ascontiguousarray(raw.reshape(word_bytes, -1).T).reshape(-1).view(_DTYPES[word_bytes])
+    planes = raw.reshape(word_bytes, -1)
+    out = np.empty((planes.shape[1], word_bytes), dtype=np.uint8)
+    for k in range(word_bytes):
+        out[:, k] = planes[k]
+    return out.reshape(-1).view(_DTYPES[word_bytes])
 
 
-def _compress(data: bytes) -> bytes:
+def _compress(data: np.ndarray) -> bytes:
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(data)
 
 
@@ -118,5 +127,5 @@ def apply_delta(base: bytes | np.ndarray, payload: bytes, word_bytes: int) -> np
     """The version's bytes (a new ``uint8`` array) from ``base`` and a delta payload."""
     base_words = _words(base, word_bytes)
     zigzag = _unplanes(_decompress(payload, base_words.nbytes), word_bytes)
-    difference = (zigzag >> 1) ^ (~(zigzag & 1) + 1)
+    difference = (zigzag >> 1) ^ np.negative(zigzag & 1)
     return (base_words + difference).view(np.uint8)
