@@ -30,6 +30,8 @@ values (the ``weights.published`` -> ``weights.loaded`` path, without the bus's 
   parameters), the encoder's and decoder's CPU seconds per delta (``encode_cpu_s``,
   ``decode_cpu_s``) and ``join_s``, a fresh reader's rebuild of the last version from the
   anchor and every delta after it. Writer and reader share one process and take turns.
+  ``last_step`` compares the codec's delta of the last step with XOR and the plain difference
+  (byte planes, zstd) and with changed indices + values, in % of the version.
 
 ``--device cpu`` runs the engine on one thread (the generation worker's one core in the CPU
 configs) for ``disk``, ``tmpfs`` and ``lora``; ``135M`` is the SmolLM2-135M body (Qwen2 biases).
@@ -52,6 +54,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio.from_thread
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -219,11 +222,41 @@ def training_trajectory(shape: str, lr: float, steps: int, dtypes: list[str]) ->
             }
 
 
+def codec_alternatives(new: np.ndarray, base: np.ndarray, word_bytes: int) -> dict[str, float]:
+    """One step's delta in the codec's encoding and in the ones it was chosen against, in % of
+    the version (zstd level 1 each): XOR and plain difference of the bit patterns in byte planes,
+    changed indices + values; and the share of words the step changed."""
+    import zstandard
+
+    from areal_async import weight_codec as codec
+
+    unsigned = np.dtype(f"<u{word_bytes}")
+    words, base_words = new.view(unsigned), base.view(unsigned)
+
+    def planes(x: np.ndarray) -> bytes:
+        return x.view(np.uint8).reshape(-1, word_bytes).T.tobytes()
+
+    def size(data: bytes) -> int:
+        return len(zstandard.ZstdCompressor(level=codec.ZSTD_LEVEL).compress(data))
+
+    changed = np.flatnonzero(words != base_words)
+    pct = 100 / new.size
+    return {
+        "changed_words_pct": round(100 * changed.size / words.size, 2),
+        "zigzag_planes_pct": round(pct * len(codec.encode_delta(new, base, word_bytes)), 2),
+        "xor_planes_pct": round(pct * size(planes(words ^ base_words)), 2),
+        "difference_planes_pct": round(pct * size(planes(words - base_words)), 2),
+        "indices_values_pct": round(
+            pct * (size(changed.astype(np.uint32).tobytes()) + size(words[changed].tobytes())), 2
+        ),
+    }
+
+
 async def _bus_case(shape: str, lr: float, args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
     """One trajectory through a weights bucket per dtype; the rows of the module docstring."""
     from areal_async.config import RunConfig, WeightSyncConfig
     from bus import ConnectOptions, connect
-    from workers.weight_bus import BusWeightReader, BusWeightWriter
+    from workers.weight_bus import BusWeightReader, BusWeightWriter, flatten
 
     sides = {}
     for dtype in args.dtypes:
@@ -236,11 +269,15 @@ async def _bus_case(shape: str, lr: float, args: argparse.Namespace, url: str) -
         await writer_bus.provision(weights_bucket=True)
         sides[dtype] = (cfg, BusWeightWriter(cfg, writer_bus), BusWeightReader(cfg, reader_bus), [])
     params: dict[str, dict[str, torch.Tensor]] = {}
+    alternatives: dict[str, dict[str, float]] = {}
     for version, snapshots in enumerate(training_trajectory(shape, lr, args.versions, args.dtypes)):
         for dtype, snapshot in snapshots.items():
             cfg, writer, reader, seen = sides[dtype]
             if dtype not in params:  # the engine's parameters
                 params[dtype] = {k: torch.empty_like(v) for k, v in snapshot.items()}
+            if version == args.versions and writer.held is not None:  # the last step, untimed
+                flat, _, word_bytes = flatten(snapshot)
+                alternatives[dtype] = codec_alternatives(flat, writer.held.flat, word_bytes)
             cpu, t0 = time.process_time(), time.perf_counter()
             written = await writer.write(version, snapshot)
             encode_cpu, t1 = time.process_time() - cpu, time.perf_counter()
@@ -279,6 +316,7 @@ async def _bus_case(shape: str, lr: float, args: argparse.Namespace, url: str) -
                 "anchor_loaded_s": round(anchor["loaded_s"], 4),
                 "join_s": round(join_s, 4),
                 "all_delta_pct": [round(100 * d["delta_bytes"] / anchor["bytes"], 2) for d in deltas],
+                "last_step": alternatives.get(dtype, {}),
             }
         )
         print(rows[-1], flush=True)

@@ -90,6 +90,11 @@ def delta_slots(cfg: RunConfig) -> int:
     return 2 * cfg.weight_sync.anchor_every + cfg.rollout.max_staleness + 2
 
 
+def slot_names(cfg: RunConfig) -> tuple[str, ...]:
+    """Every object of the ring: the anchor slots, then ``delta-<i>`` for i < D."""
+    return (*ANCHOR_SLOTS, *(f"delta-{i}" for i in range(delta_slots(cfg))))
+
+
 @dataclass(frozen=True)
 class Record:
     """One stored object: a version's anchor or its delta against ``base_version``."""
@@ -296,7 +301,7 @@ class BusWeightWriter:
         self.bus = bus
         self.anchor_every = cfg.weight_sync.anchor_every
         self.deltas = delta_slots(cfg)
-        self.store = BusStore(bus, (*ANCHOR_SLOTS, *(f"delta-{i}" for i in range(self.deltas))))
+        self.store = BusStore(bus, slot_names(cfg))
         self.chunk_bytes = cfg.weight_sync.chunk_kb * 1024
         self.held: Held | None = None
         self.since_anchor = 0
@@ -373,8 +378,7 @@ class BusWeightReader:
     """A generation worker's side: ``fetch(version)`` rebuilds and verifies a stored version."""
 
     def __init__(self, cfg: RunConfig, bus: Bus) -> None:
-        deltas = delta_slots(cfg)
-        self.store = BusStore(bus, (*ANCHOR_SLOTS, *(f"delta-{i}" for i in range(deltas))))
+        self.store = BusStore(bus, slot_names(cfg))
         self.timeout_s = cfg.weight_sync.transfer_timeout_s
         self.held: Held | None = None
 
