@@ -188,3 +188,30 @@ async def test_only_the_trainer_may_write_the_weights_bucket(
     finally:
         await trainer.close()
         await generation.close()
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_trainers_versions_replace_the_lost_ones(
+    bus_factory: BusFactory, run_name: str
+) -> None:
+    """A trainer restored from an older checkpoint writes an anchor of its version and trains on
+    along another trajectory: a reader that holds a version of the lost future gets the new
+    trainer's versions (its digests), never the lost ones, and the new writer's next anchor
+    replaces the older of the two anchors."""
+    cfg = run_config(run_name)
+    first = BusWeightWriter(cfg, await weights_bus(bus_factory, "trainer-1"))
+    reader = BusWeightReader(cfg, await weights_bus(bus_factory, "generation"))
+    lost = versions(5)
+    for v, tensors in enumerate(lost):
+        await first.write(v, dict(tensors))
+    await reader.fetch(4)
+    restored = BusWeightWriter(cfg, await weights_bus(bus_factory, "trainer-2"))
+    other = [{k: t + 1 for k, t in s.items()} for s in versions(3)]  # another trajectory from v2
+    written = {v: await restored.write(v, dict(other[v - 2])) for v in (2, 3, 4)}
+    records = await restored.store.records()
+    anchors = {r.slot: r.policy_version for r in records if r.kind == "anchor"}
+    assert sorted(anchors.values()) == [2, 3], anchors  # v3 (lost) stays, v0 was replaced
+    for v in (3, 4):
+        got, digest = await reader.fetch(v)
+        assert digest == written[v]["digest"]
+        assert all(torch.equal(got[k], t) for k, t in other[v - 2].items())
