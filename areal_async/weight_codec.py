@@ -11,13 +11,13 @@ float32, 1 for mixed widths).
   an unsigned one (0, -1, 1, -2 -> 0, 1, 2, 3) and ``planes`` lays the words out byte plane by
   byte plane (every word's low byte, then every second byte, ...).
 
-Why this delta (measured on training steps of the 135M shape, docs/benchmarks-log.md): a small
-optimizer step leaves most words unchanged and moves the others by a unit or two in the last
-place. The zigzagged difference is then 0 or a small number, so every plane but the lowest is
-almost all zeros, which zstd stores in a few bytes: a bf16 step at lr 1e-5 took 10.2 % of the
-version, against 11.2 % for XOR (a carry such as 0x7F -> 0x80 sets many bits), 15.5 % for the
-plain difference (a decrement sets every high bit) and 33 % for changed indices + values (6 bytes
-per changed word, with 15 % of the words changed).
+Why this delta (``bench_weights --transports bus``, training steps of the 135M shape;
+docs/benchmarks-log.md): a small optimizer step leaves most words unchanged and moves the others
+by a unit or two in the last place. The zigzagged difference is then 0 or a small number, so
+every plane but the lowest is almost all zeros, which zstd stores in a few bytes: a bf16 step at
+lr 1e-5 took 9.4 % of the version, against 10.3 % for XOR (a carry such as 0x7F -> 0x80 sets many
+bits), 14.2 % for the plain difference (a decrement sets every high bit) and 29 % for changed
+indices + values (6 bytes per changed word, with 13 % of the words changed).
 
 Contract: ``decode_anchor(encode_anchor(b, w), w) == b`` and ``apply_delta(base,
 encode_delta(b, base, w), w) == b`` bit for bit. Digests are sha256: ``digest(version buffer)``

@@ -72,6 +72,8 @@ METRICS: dict[str, harness.Direction] = {
     "apply_s": "lower",
     "merge_s": "lower",
     "write_s": "lower",
+    "anchor_mb": "lower",
+    "delta_mb": "lower",
     "delta_pct": "lower",
     "encode_cpu_s": "lower",
     "decode_cpu_s": "lower",
