@@ -215,3 +215,57 @@ async def test_a_restarted_trainers_versions_replace_the_lost_ones(
         got, digest = await reader.fetch(v)
         assert digest == written[v]["digest"]
         assert all(torch.equal(got[k], t) for k, t in other[v - 2].items())
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_cannot_rebuild_a_version_loads_the_disk_copy_and_says_why(
+    bus_factory: BusFactory, run_name: str, tmp_path: Path
+) -> None:
+    """A generation worker whose version's only anchor is damaged loads the version's disk copy
+    and logs why; for a version without a disk copy it reports the load failed and keeps serving
+    the version it has."""
+    from areal_async.config import ModelConfig
+    from areal_async.engines.local import LocalEngine
+    from areal_async.models import load_tokenizer
+    from areal_async.weights_file import write_weights_dir
+    from tests.helpers.models import build_tiny_model
+    from workers.generation import Generator
+    from workers.runtime import WorkerContext
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    cfg = RunConfig(
+        name=run_name,
+        dir=str(tmp_path / "{name}"),
+        model=ModelConfig(path=str(model_dir), use_chat_template=False),
+        rollout=RolloutConfig(max_staleness=1),
+        weight_sync=WeightSyncConfig(transport="bus", anchor_every=ANCHOR_EVERY, chunk_kb=4),
+    )
+    trainer = await weights_bus(bus_factory, "trainer")
+    writer = BusWeightWriter(cfg, trainer)
+    engine = LocalEngine(str(model_dir), engine_id="g")
+    await engine.start()
+    try:
+        base = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+        v1 = {k: t + 0.01 for k, t in base.items()}
+        await writer.write(1, dict(v1))
+        write_weights_dir(cfg.weights_root / "v1", v1)
+        await corrupt_chunk(trainer, "anchor-0", 0)
+        ctx = WorkerContext(
+            cfg=cfg, role="generation", worker_id="g", bus=await weights_bus(bus_factory, "gen")
+        )
+        generator = Generator(ctx, engine, load_tokenizer(model_dir))
+        with capture_logs() as logs:
+            await generator.load(1, str(cfg.weights_root / "v1"))
+        failed = [e for e in logs if e["event"] == "weights from the bus failed; loading the disk copy"]
+        assert failed and "chunk 0 of anchor-0" in failed[0]["error"]
+        assert [e["via"] for e in logs if e["event"] == "weights loaded" and "via" in e] == ["disk"]
+        assert engine.version == 1
+        assert all(torch.equal(engine.model.state_dict()[k], t) for k, t in v1.items())
+
+        await writer.write(2, {k: t + 0.01 for k, t in v1.items()})  # a delta on the damaged anchor
+        with capture_logs() as logs:
+            await generator.load(2, str(cfg.weights_root / "v2"))
+        assert [e["event"] for e in logs if e["log_level"] == "error"] == ["weights load failed"]
+        assert engine.version == 1
+    finally:
+        await engine.aclose()
