@@ -30,6 +30,9 @@ pull consumer; every chunk is checked against its digest, the rebuilt version ag
 version digest. A failed object is logged with the reason, its slot excluded, and the chain
 planned again (the older anchor); with no chain left ``BusWeightsUnavailable`` sends the caller
 to the disk copy. Nothing unverified is returned.
+
+JetStream requests that time out or get 503 while the bucket's stream has no leader are retried
+for up to the connection's ``leader_wait_s`` (``bus.elections``); a put is made again whole.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from areal_async.weight_transport import (
     unpack,
 )
 from bus import Bus
+from bus.elections import while_leaderless
 
 log = structlog.get_logger()
 
@@ -184,9 +188,12 @@ class BusStore:
         """Every slot's current record (slots never written, or unreadable, are left out)."""
         out = []
         for slot in self.slots:
+            subject = meta_subject(self.bucket, slot)
             try:
-                msg = await self.bus.js.get_last_msg(
-                    self.stream, meta_subject(self.bucket, slot), direct=True
+                msg = await while_leaderless(
+                    self.bus,
+                    f"the record of {slot} in {self.bucket}",
+                    lambda subject=subject: self.bus.js.get_last_msg(self.stream, subject, direct=True),
                 )
                 info = json.loads(msg.data or b"{}")
                 if not info.get("deleted"):
@@ -231,7 +238,11 @@ class BusStore:
             mem_storage=True,
         )
         subject = chunk_subject(self.bucket, record.slot)
-        sub = await self.bus.js.pull_subscribe(subject, stream=self.stream, config=config)
+        sub = await while_leaderless(
+            self.bus,
+            f"a reader of {record.slot} in {self.bucket}",
+            lambda: self.bus.js.pull_subscribe(subject, stream=self.stream, config=config),
+        )
         parts: list[bytes] = []
         try:
             with anyio.fail_after(timeout_s):
@@ -357,7 +368,15 @@ class BusWeightWriter:
                 base_digest=based_on.digest if based_on else "",
             )
             self.seq += 1
-            await self.store.put(slot, payload, record, self.chunk_bytes)
+            # A put that an election interrupts is made again from its first chunk, whose rollup
+            # drops whatever part of it was stored.
+            await while_leaderless(
+                self.bus,
+                f"{slot} of {self.store.bucket}",
+                lambda slot=slot, payload=payload, record=record: self.store.put(
+                    slot, payload, record, self.chunk_bytes
+                ),
+            )
             sizes[f"{kind}_bytes"] = len(payload)
         if anchor_due:
             self.anchor_slot = (self.anchor_slot + 1) % len(ANCHOR_SLOTS)
