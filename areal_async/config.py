@@ -364,7 +364,8 @@ class WeightSyncConfig:
 
     transfer_timeout_s: float = 30.0
     """Longest in-memory transfer, group setup included; an engine past it (a member died, the
-    trainer restarted) loads the disk copy, serving its previous version meanwhile."""
+    trainer restarted) loads the disk copy, serving its previous version meanwhile. ``bus``: the
+    longest read of one object of the weights bucket."""
 
     host: str | None = None
     """Address the trainer's weight-transfer store listens on and announces (None: this host's
