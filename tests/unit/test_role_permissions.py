@@ -38,6 +38,22 @@ def test_only_the_controller_may_write_issued_task_records() -> None:
     assert resolve("ops")["publish"]["allow"] == [">"]
 
 
+def test_only_the_trainer_may_write_the_weights_bucket() -> None:
+    """Of the worker roles only the trainer may publish into ``$O.<weights bucket>.>``; the
+    generation role's deny spells it out, and no role may delete or purge through the leaf
+    domain's API either."""
+    writers = [
+        user
+        for user in PERMISSIONS
+        if any(p.startswith("$O.") for p in resolve(user, "r1")["publish"]["allow"])
+    ]
+    assert writers == ["trainer"]
+    assert resolve("trainer", "r1")["publish"]["allow"].count("$O.areal_r1_weights.>") == 1
+    assert "$O.areal_r1_weights.>" in resolve("generation", "r1")["publish"]["deny"]
+    for user in PERMISSIONS.keys() - {"ops"}:
+        assert "$JS.areal.API.STREAM.PURGE.>" in resolve(user)["publish"]["deny"], user
+
+
 def test_a_run_pinned_rendering_names_only_that_runs_subjects_streams_and_buckets() -> None:
     """Pinned to run r1, the reward user's publish list holds r1's subjects, r1's GENERATED
     stream and r1's workers bucket, and no wildcard run token."""
