@@ -206,12 +206,8 @@ class BusStore:
 
     async def put(self, slot: str, payload: bytes, record: Record, chunk_bytes: int) -> None:
         """Write ``payload`` into ``slot``: chunks (the first drops the slot's previous ones), then
-        its info."""
-        subject = chunk_subject(self.bucket, slot)
-        for i, start in enumerate(range(0, max(len(payload), 1), chunk_bytes)):
-            headers = {"Nats-Rollup": "sub"} if i == 0 else None
-            with self.bus.refusable(subject):
-                await self.bus.js.publish(subject, payload[start : start + chunk_bytes], headers=headers)
+        its info. ValueError, before anything is written, when the info (which holds a digest per
+        chunk) would not fit the server's max_payload."""
         whole = base64.urlsafe_b64encode(hashlib.sha256(payload).digest()).decode()
         info = {
             "name": slot,
@@ -224,9 +220,21 @@ class BusStore:
             "options": {"max_chunk_size": chunk_bytes},
             "metadata": {RECORD_KEY: record.to_json()},
         }
+        meta = json.dumps(info).encode()
+        if len(meta) > self.bus.nc.max_payload - HEADROOM:
+            raise ValueError(
+                f"the record of {slot} (version {record.policy_version}, {len(record.chunks)} chunks) is "
+                f"{len(meta)} bytes, over the server's max_payload ({self.bus.nc.max_payload}); raise "
+                "weight_sync.chunk_kb (fewer chunks) or the server's max_payload"
+            )
+        subject = chunk_subject(self.bucket, slot)
+        for i, start in enumerate(range(0, max(len(payload), 1), chunk_bytes)):
+            headers = {"Nats-Rollup": "sub"} if i == 0 else None
+            with self.bus.refusable(subject):
+                await self.bus.js.publish(subject, payload[start : start + chunk_bytes], headers=headers)
         subject = meta_subject(self.bucket, slot)
         with self.bus.refusable(subject):
-            await self.bus.js.publish(subject, json.dumps(info).encode(), headers={"Nats-Rollup": "sub"})
+            await self.bus.js.publish(subject, meta, headers={"Nats-Rollup": "sub"})
 
     async def get(self, record: Record, timeout_s: float) -> bytes:
         """The object in ``record.slot``, every chunk checked against the record; ``BusWeightsUnavailable``
