@@ -12,14 +12,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from safetensors.torch import load_file
 
 from areal_async import weight_codec as codec
+from areal_async.run_file import load_config
+from bus import ConnectOptions, EmbeddedServer, connect
 from bus.embedded import read_credentials
 from tests.e2e.test_e2e import _check_exactly_once, _pid_of, _wait_for
 from tests.helpers.jobs import REPO, finish_job, read_steps, start_job, steps_done, tiny_config
-from workers.weight_bus import flatten
+from workers.weight_bus import BusStore, Record, flatten, slot_names
+
+
+async def _bucket_contents(url: str, run: str, slots: tuple[str, ...]) -> tuple[list[Record], int]:
+    """The records in the run's weights bucket and the number of messages its stream holds."""
+    bus = await connect(ConnectOptions(url=url, name="ops"), run)
+    try:
+        records = await BusStore(bus, slots).records()
+        info = await bus.js.stream_info(bus.subjects.weights_stream)
+        return records, info.state.messages
+    finally:
+        await bus.close()
 
 
 def _log(run_dir: Path, role: str, event: str) -> list[dict[str, Any]]:
@@ -45,7 +59,8 @@ def test_bus_transport_serves_every_version_bit_identical_to_a_restarted_and_a_l
     engine killed mid-run and restarted by the supervisor, and a second engine that joins the
     running run, both rebuild the served version from an anchor and the deltas after it. Nothing
     falls back to disk, the run completes with every task trained once, and the last version's
-    disk copy, written from the same snapshot, has the same digest."""
+    disk copy, written from the same snapshot, has the same digest. The bucket holds no more
+    than its ring of objects and no chunk of an overwritten one (the run wraps the ring)."""
     total, batch = 12, 4
     cfg = tiny_config(
         tmp_path,
@@ -58,7 +73,7 @@ def test_bus_transport_serves_every_version_bit_identical_to_a_restarted_and_a_l
         dataset__eval_size=4,
         checkpoint__every_steps=4,
         weight_sync__transport="bus",
-        weight_sync__anchor_every=3,
+        weight_sync__anchor_every=2,
         weight_sync__chunk_kb=16,
     )
     run_dir = tmp_path / "busw"
@@ -101,3 +116,12 @@ def test_bus_transport_serves_every_version_bit_identical_to_a_restarted_and_a_l
     assert len(engines) == 3, f"the first engine, its restart and the late one each load: {engines}"
     last = load_file(run_dir / "weights" / f"v{total}" / "model.safetensors")
     assert codec.digest(flatten(last)[0]) == written[total]["digest"]
+
+    slots = slot_names(load_config(cfg))
+    assert total > len(slots), "the run must wrap the ring"
+    with EmbeddedServer(run_dir / "nats") as server:  # the run's store; its users live in the global account
+        records, messages = anyio.run(_bucket_contents, str(server.url), "busw", slots)
+    assert len(records) <= len(slots) and max(r.policy_version for r in records) == total
+    assert messages == sum(len(r.chunks) for r in records) + len(records), (
+        "chunks of overwritten objects remain"
+    )
