@@ -133,7 +133,8 @@ class MegatronConfig:
 
     pipeline_parallel: int = 1
     """Pipeline stages (must divide the layers); the product tensor_parallel x pipeline_parallel x
-    trainer.context_parallel must divide the trainer's ranks. Stages pass hidden states point to point (training/megatron/pipeline.py)."""
+    trainer.context_parallel must divide the trainer's ranks. Stages pass hidden states point to
+    point (training/megatron/pipeline.py)."""
 
     virtual_pipeline: int = 1
     """Model chunks per pipeline stage (interleaved stages, megatron's virtual pipeline): stage s
@@ -241,8 +242,8 @@ class TrainerConfig:
     whose activations do not fit one rank; both backends. fsdp2: must divide trainer.num_ranks (a
     group is a run of consecutive ranks of one node). megatron: megatron-core's context-parallel
     groups; tensor_parallel x pipeline_parallel x context_parallel must divide the trainer's ranks.
-    Run files written for earlier versions may still say ``trainer.megatron.context_parallel``: it is
-    read as this key (``areal_async/run_file.py``)."""
+    A run file's ``trainer.megatron.context_parallel`` (older run files) is read as this key, with a
+    warning (``areal_async/run_file.py``)."""
 
     def __post_init__(self) -> None:
         positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks", "context_parallel")

@@ -124,7 +124,10 @@ def place(
             "(rollout.sampling.temperature)"
         )
     if logprob_chunk_tokens < 1:
-        raise ValueError(f"logprob_chunk_tokens must be >= 1, got {logprob_chunk_tokens}")
+        raise ValueError(
+            f"logprob_chunk_tokens must be >= 1, got {logprob_chunk_tokens}; pass the logits rows per "
+            "logprob chunk (4096 by default)"
+        )
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if trainer.device == "cuda"
