@@ -42,6 +42,8 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         positive(self, "lr")
         non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
 
@@ -121,16 +123,18 @@ class LossConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MegatronConfig:
-    """Parallelism of ``trainer.backend: megatron`` (``areal_async/training/megatron/engine.py``). The trainer's
-    ranks not used by model parallelism are data-parallel ranks."""
+    """Model parallelism of ``trainer.backend: megatron`` (``areal_async/training/megatron/engine.py``);
+    its context parallelism is ``trainer.context_parallel``, as on fsdp2. The trainer's ranks not used
+    by model or context parallelism are data-parallel ranks."""
 
     tensor_parallel: int = 1
     """Ranks each layer is split over (must divide the heads, K/V heads, FFN width and vocabulary,
     and trainer.num_ranks: tensor-parallel ranks stay within a node)."""
 
     pipeline_parallel: int = 1
-    """Pipeline stages (must divide the layers); the product with tensor_parallel must divide the
-    trainer's ranks. Stages pass hidden states point to point (training/megatron/pipeline.py)."""
+    """Pipeline stages (must divide the layers); the product tensor_parallel x pipeline_parallel x
+    trainer.context_parallel must divide the trainer's ranks. Stages pass hidden states point to
+    point (training/megatron/pipeline.py)."""
 
     virtual_pipeline: int = 1
     """Model chunks per pipeline stage (interleaved stages, megatron's virtual pipeline): stage s
@@ -138,21 +142,16 @@ class MegatronConfig:
     bubble by V at the cost of V times the point-to-point sends; needs pipeline_parallel > 1, and
     P x V must divide the layers."""
 
-    context_parallel: int = 1
-    """Ranks each packed row is split over (training/context_parallel.py): each holds 1/C of its tokens
-    and attends to the others' keys and values. The product tensor_parallel x pipeline_parallel x
-    context_parallel must divide the trainer's ranks."""
-
     sequence_parallel: bool = False
     """Between the tensor-parallel layers (embedding output, norms, residual adds, the hidden states
     sent between pipeline stages) each tensor-parallel rank holds 1/tensor_parallel of the packed
     row's tokens: all-gathered before QKV and fc1, reduce-scattered after the attention output and
     fc2, so it communicates as plain tensor parallelism does (training/megatron/sequence_parallel.py). Rows
     are padded to a multiple of tensor_parallel tokens (2 x context_parallel x tensor_parallel with
-    context parallelism). Needs tensor_parallel > 1."""
+    trainer.context_parallel). Needs tensor_parallel > 1."""
 
     def __post_init__(self) -> None:
-        positive(self, "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel")
+        positive(self, "tensor_parallel", "pipeline_parallel", "virtual_pipeline")
         if self.virtual_pipeline > 1 and self.pipeline_parallel == 1:
             raise ValueError(
                 f"trainer.megatron.virtual_pipeline={self.virtual_pipeline} needs pipeline_parallel > 1 "
@@ -239,22 +238,25 @@ class TrainerConfig:
     Each weights version is then an adapter directory of a few MB."""
 
     context_parallel: int = 1
-    """fsdp2: ranks each packed row of tokens is split over (``training/context_parallel.py``), for
-    sequences whose activations do not fit one rank; must divide trainer.num_ranks (a group stays
-    within a node). The megatron backend takes ``trainer.megatron.context_parallel`` instead."""
+    """Ranks each packed row of tokens is split over (``training/context_parallel.py``), for sequences
+    whose activations do not fit one rank; both backends. fsdp2: must divide trainer.num_ranks (a
+    group is a run of consecutive ranks of one node). megatron: megatron-core's context-parallel
+    groups; tensor_parallel x pipeline_parallel x context_parallel must divide the trainer's ranks.
+    A run file's ``trainer.megatron.context_parallel`` (older run files) is read as this key, with a
+    warning (``areal_async/run_file.py``)."""
 
     def __post_init__(self) -> None:
         positive(self, "batch_size", "total_steps", "micro_batch_tokens", "num_ranks", "context_parallel")
-        if self.num_ranks % self.context_parallel:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"trainer.dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}; "
+                "auto picks bfloat16 where it runs natively"
+            )
+        if self.backend == "fsdp2" and self.num_ranks % self.context_parallel:
             raise ValueError(
                 f"trainer.context_parallel={self.context_parallel} does not divide "
                 f"trainer.num_ranks={self.num_ranks} (a context-parallel group shares a node); make "
                 "num_ranks a multiple of it"
-            )
-        if self.context_parallel > 1 and self.backend == "megatron":
-            raise ValueError(
-                "trainer.context_parallel is the fsdp2 backend's; with trainer.backend: megatron set "
-                "trainer.megatron.context_parallel instead"
             )
         non_negative(self, "eval_every")
         if self.backend == "megatron":

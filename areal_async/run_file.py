@@ -6,8 +6,12 @@ parsed as YAML scalars), and builds the tree (``areal_async.config``). Every pro
 
     ConfigError: configs/a.yaml:rollout: unknown key 'group_sise'; did you mean 'group_size'?
 
-``trainer.loss.preset`` selects a named loss recipe (``areal_async.algo.presets``); the
-preset's values are applied first and the file's own keys override them.
+``trainer.loss.preset`` selects a named loss recipe (``areal_async.algo.presets``); this module
+applies it: the preset's values first, then the file's own keys over them.
+
+Run-file keys are a stable interface. A key that moved keeps working: ``trainer.megatron.context_parallel``
+(before context parallelism was one key for both backends) is read as ``trainer.context_parallel``,
+with a warning naming the new key; a file that sets both to different values is refused.
 
 No torch here: the CLI imports this module and must start fast.
 """
@@ -22,10 +26,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import structlog
 import yaml
 
 from areal_async.config import LossConfig, RunConfig
 from areal_async.errors import ConfigError
+
+log = structlog.get_logger(__name__)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -78,8 +85,37 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def build_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> RunConfig:
     """Build a ``RunConfig`` from a plain nested mapping (as read from YAML)."""
-    raw = _apply_loss_preset(dict(raw), source)
+    raw = _apply_loss_preset(_read_moved_keys(dict(raw), source), source)
     return _build(RunConfig, raw, source, "")
+
+
+def _read_moved_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """``trainer.megatron.context_parallel`` -> ``trainer.context_parallel`` (the one key of both backends)."""
+    trainer = raw.get("trainer")
+    if not isinstance(trainer, dict) or not isinstance(trainer.get("megatron"), dict):
+        return raw
+    megatron = trainer["megatron"]
+    if "context_parallel" not in megatron:
+        return raw
+    value = megatron["context_parallel"]
+    if "context_parallel" in trainer and trainer["context_parallel"] != value:
+        raise ConfigError(
+            f"{source}:trainer: trainer.megatron.context_parallel={value!r} and "
+            f"trainer.context_parallel={trainer['context_parallel']!r} disagree; context parallelism is one "
+            "key for both backends now: keep trainer.context_parallel and delete trainer.megatron.context_parallel"
+        )
+    log.warning(
+        "run-file key moved",
+        source=source,
+        key="trainer.megatron.context_parallel",
+        value=value,
+        fix=f"write trainer.context_parallel: {value!r} instead (read as that key)",
+    )
+    trainer = dict(trainer)
+    trainer["megatron"] = {k: v for k, v in megatron.items() if k != "context_parallel"}
+    trainer["context_parallel"] = value
+    raw["trainer"] = trainer
+    return raw
 
 
 def _apply_loss_preset(raw: dict[str, Any], source: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Asynchronous vs synchronous RL: the same run at several staleness bounds (a small AReaL Table 2).
 
-For each eta in ``--etas`` (decoupled PPO) and each eta in ``--naive-etas`` (decoupled loss
-off: plain PPO against the behaviour logprobs) the script runs the job with
+For each ``rollout.max_staleness`` in ``--max-staleness`` (decoupled PPO) and each in
+``--naive-max-staleness`` (decoupled loss off: plain PPO against the behaviour logprobs) the script
+runs the job with
 ``areal-async run``, generation and training pinned to separate CPU cores
 (``AREAL_CPU_AFFINITY``, so they behave like separate devices), and reports:
 
@@ -13,15 +14,19 @@ off: plain PPO against the behaviour logprobs) the script runs the job with
   hand-off (published -> every engine serving, the engine's own load, both from the run's logs)
   and, where nvidia-smi runs, the GPUs' busy share and peak memory over the measured steps
   (``--warmup N`` leaves the first N steps, with their compilation, out of every figure)
-- the ideal overlap bound (t_gen + t_train) / max(t_gen, t_train) from the eta = 0 run's own
-  phase times (t_gen = the trainer's wait for data, t_train = compute + weight snapshot), and each
-  run's speed-up over, and share of, that bound; decoupled and naive runs each against their own
-  eta = 0 run (the naive loss has no pi_prox forward, so its steps are shorter)
+- the ideal overlap bound (t_gen + t_train) / max(t_gen, t_train) from the synchronous run's own
+  phase times (max_staleness 0; t_gen = the trainer's wait for data, t_train = compute + weight
+  snapshot), and each run's speed-up over it (``speedup_vs_sync``) and share of that bound;
+  decoupled and naive runs each against their own synchronous run (the naive loss has no pi_prox
+  forward, so its steps are shorter)
+
+Rows are labelled ``max_staleness<N>`` and ``naive-max_staleness<N>``. ``--etas`` and
+``--naive-etas`` are accepted as other spellings of the two flags, so recorded commands still run.
 
     python -m benchmarks.bench_async --set weight_sync.dir=/dev/shm/areal-{name}   # baseline
-    python -m benchmarks.bench_async --config tiny.yaml --etas 0,2 --naive-etas "" --steps 20 --out /tmp/b
-    python -m benchmarks.bench_async --config configs/agent_cpu.yaml --naive-etas "" --etas 0,2,4   # episodes
-    python -m benchmarks.bench_async --config configs/gsm8k_2gpu.yaml --etas 0,1,2,4 --naive-etas "" \
+    python -m benchmarks.bench_async --config tiny.yaml --max-staleness 0,2 --naive-max-staleness "" --steps 20 --out /tmp/b
+    python -m benchmarks.bench_async --config configs/agent_cpu.yaml --naive-max-staleness "" --max-staleness 0,2,4   # episodes
+    python -m benchmarks.bench_async --config configs/gsm8k_2gpu.yaml --max-staleness 0,1,2,4 --naive-max-staleness "" \
         --affinity "" --cuda-devices "generation=0;trainer=1" --dry-run     # two GPUs: what it would start
 
 Writes ``result.json`` (benchmarks.harness layout) and ``bench_async.png`` into ``--out`` with each
@@ -53,14 +58,14 @@ AFFINITY = "generation=0;agent=0;trainer=1;trainer.io=0"
 METRICS: dict[str, harness.Direction] = {
     "trained_tokens_per_s": "higher",
     "seconds_per_step": "lower",
-    "speedup_vs_eta0": "higher",
+    "speedup_vs_sync": "higher",
     "time_to_target_s": "lower",
     "final_eval_accuracy": "higher",
     "save_s": "lower",
     "served_s": "lower",
     "gpu_busy": "higher",
 }
-"""What report --check compares (rows: one per run, ``eta<N>`` and ``naive-eta<N>``)."""
+"""What report --check compares (rows: one per run, ``max_staleness<N>`` and ``naive-max_staleness<N>``)."""
 
 
 PHASES = ("wait_s", "compute_s", "prox_seconds", "save_s")
@@ -68,14 +73,14 @@ PHASES = ("wait_s", "compute_s", "prox_seconds", "save_s")
 
 
 def command_for(
-    args: argparse.Namespace, label: str, eta: int, decoupled: bool
+    args: argparse.Namespace, label: str, max_staleness: int, decoupled: bool
 ) -> tuple[list[str], dict[str, str], list[str]]:
     """The ``areal-async run`` command of one run, the environment it adds, and its overrides."""
     run_dir = args.out / label
     overrides = [
         f"name=bench-{label}",
         f"dir={run_dir}",
-        f"rollout.max_staleness={eta}",
+        f"rollout.max_staleness={max_staleness}",
         f"trainer.total_steps={args.steps}",
         f"trainer.loss.decoupled={'true' if decoupled else 'false'}",
         "checkpoint.every_steps=1000",
@@ -135,9 +140,9 @@ def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> dict[str, Any]:
+def run_one(args: argparse.Namespace, label: str, max_staleness: int, decoupled: bool) -> dict[str, Any]:
     run_dir = args.out / label
-    cmd, extra, overrides = command_for(args, label, eta, decoupled)
+    cmd, extra, overrides = command_for(args, label, max_staleness, decoupled)
     env = {**os.environ, **extra}
     started = time.time()
     with open(args.out / f"{label}.log", "wb") as log, GpuSampler() as gpu:
@@ -152,7 +157,7 @@ def run_one(args: argparse.Namespace, label: str, eta: int, decoupled: bool) -> 
     row: dict[str, Any] = {
         "case": label,
         "label": label,
-        "eta": eta,
+        "max_staleness": max_staleness,
         "decoupled": decoupled,
         "returncode": rc,
     }
@@ -191,18 +196,18 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'run':<14}{'tok/s':>9}{'s/step':>8}{'to target':>10}{'final acc':>10}{'stale':>12}{'bus %':>7}"
+    head = f"{'run':<22}{'tok/s':>9}{'s/step':>8}{'to target':>10}{'final acc':>10}{'stale':>12}{'bus %':>7}"
     head += f"{'wait':>7}{'compute':>8}{'prox':>6}{'save':>7}{'served':>8}{'load':>7}{'GPU %':>7}"
     lines = [head]
     for r in rows:
         if "steps" not in r:
-            lines.append(f"{r['label']:<14} failed (exit {r['returncode']})")
+            lines.append(f"{r['label']:<22} failed (exit {r['returncode']})")
             continue
         tt = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "-"
         acc = fmt(r["final_eval_accuracy"], ".3f")
         busy = None if r["gpu_busy"] is None else 100 * r["gpu_busy"]
         lines.append(
-            f"{r['label']:<14}{r['trained_tokens_per_s']:>9.1f}{r['seconds_per_step']:>8.2f}{tt:>10}{acc:>10}"
+            f"{r['label']:<22}{r['trained_tokens_per_s']:>9.1f}{r['seconds_per_step']:>8.2f}{tt:>10}{acc:>10}"
             f"{r['staleness_mean']:>7.2f}/{r['staleness_max']:<4.0f}{100 * r['bus_share']:>7.2f}"
             f"{fmt(r['wait_s'], '.2f'):>7}{fmt(r['compute_s'], '.2f'):>8}{fmt(r['prox_seconds'], '.2f'):>6}"
             f"{fmt(r['save_s'], '.3f'):>7}{fmt(r['served_s'], '.3f'):>8}{fmt(r['engine_load_s'], '.3f'):>7}"
@@ -235,8 +240,20 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=REPO / "configs" / "arith_cpu.yaml")
-    p.add_argument("--etas", default="0,1,2,4", help="decoupled PPO runs")
-    p.add_argument("--naive-etas", default="0,4,8", help="runs with the decoupled loss off ('' = none)")
+    p.add_argument(
+        "--max-staleness",
+        "--etas",
+        dest="max_staleness",
+        default="0,1,2,4",
+        help="comma list of rollout.max_staleness values of the decoupled PPO runs",
+    )
+    p.add_argument(
+        "--naive-max-staleness",
+        "--naive-etas",
+        dest="naive_max_staleness",
+        default="0,4,8",
+        help="comma list of rollout.max_staleness values of the runs with the decoupled loss off ('' = none)",
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument(
         "--warmup",
@@ -267,35 +284,37 @@ def main() -> None:
         help="keep each run's checkpoints and published weights (default: deleted once summarised)",
     )
     args = p.parse_args()
-    plan = [(f"eta{e}", int(e), True) for e in args.etas.split(",") if e.strip()]
-    plan += [(f"naive-eta{e}", int(e), False) for e in args.naive_etas.split(",") if e.strip()]
+    plan = [(f"max_staleness{e}", int(e), True) for e in args.max_staleness.split(",") if e.strip()]
+    plan += [
+        (f"naive-max_staleness{e}", int(e), False) for e in args.naive_max_staleness.split(",") if e.strip()
+    ]
     if args.dry_run:
-        for label, eta, decoupled in plan:
-            cmd, extra, overrides = command_for(args, label, eta, decoupled)
+        for label, max_staleness, decoupled in plan:
+            cmd, extra, overrides = command_for(args, label, max_staleness, decoupled)
             print(f"{label}: {' '.join(f'{k}={shlex.quote(v)}' for k, v in extra.items())} {shlex.join(cmd)}")
             print("\n".join(placement(args, overrides)))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for label, eta, decoupled in plan:
-        rows.append(run_one(args, label, eta, decoupled))
+    for label, max_staleness, decoupled in plan:
+        rows.append(run_one(args, label, max_staleness, decoupled))
         print(table(rows), flush=True)
     for decoupled in (True, False):
         family = [r for r in rows if r.get("decoupled") == decoupled and "steps" in r]
-        base = next((r for r in family if r["eta"] == 0), None)
+        base = next((r for r in family if r["max_staleness"] == 0), None)
         if base is None:
             continue
-        # Each loss against its own eta = 0 run: the naive loss skips the pi_prox forward, so its
+        # Each loss against its own synchronous run: the naive loss skips the pi_prox forward, so its
         # steps are shorter and its bound differs.
         bound = (base["t_gen"] + base["t_train"]) / max(base["t_gen"], base["t_train"], 1e-9)
         name = "decoupled" if decoupled else "naive"
-        print(f"\n{name}: ideal overlap bound from its eta=0 phases: {bound:.2f}x")
+        print(f"\n{name}: ideal overlap bound from its max_staleness=0 phases: {bound:.2f}x")
         for r in family:
             r["ideal_overlap_bound"] = bound
-            r["speedup_vs_eta0"] = r["trained_tokens_per_s"] / base["trained_tokens_per_s"]
-            r["share_of_ideal"] = r["speedup_vs_eta0"] / bound
+            r["speedup_vs_sync"] = r["trained_tokens_per_s"] / base["trained_tokens_per_s"]
+            r["share_of_ideal"] = r["speedup_vs_sync"] / bound
             print(
-                f"{r['label']:<14} speedup {r['speedup_vs_eta0']:.2f}x  ({100 * r['share_of_ideal']:.0f}% of ideal)"
+                f"{r['label']:<22} speedup {r['speedup_vs_sync']:.2f}x  ({100 * r['share_of_ideal']:.0f}% of ideal)"
             )
     plot(rows, args.out)
     cfg = load_config(args.config, args.set)

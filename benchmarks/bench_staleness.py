@@ -9,9 +9,10 @@ trainer pinned to separate cores):
   requests keeping their KV across weight loads (``rollout.kv_after_load=keep``).
 - ``interrupt``: max_staleness 2 and 4 x ``rollout.kv_after_load`` ``keep``, ``recompute`` or
   ``finish`` (no interruption: running requests end on the old weights first), decoupled loss. A
-  ``keep`` cell is the same run as the staleness cell ``decoupled`` of its eta and seed, run once.
+  ``keep`` cell is the same run as the staleness cell ``decoupled`` of its max_staleness and seed, run
+  once.
 
-A cell is named ``eta<E>-<loss or mode>-s<seed>``; its seed is the config's ``seed`` (the engine's
+A cell is named ``max_staleness<E>-<loss or mode>-s<seed>``; its seed is the config's ``seed`` (the engine's
 sampling and the trainer's), while the data order and the held-out split stay fixed. Cells run
 seed by seed, so a half-finished grid has every cell once. Each finished cell is written at once
 (atomically) into ``--results``, a committed file; a cell already there is not run again (``--redo``
@@ -24,7 +25,7 @@ steps and max), seconds to 50% and 60% accuracy (None if never), wall time, the 
 
     python -m benchmarks.bench_staleness --set 'weight_sync.dir=/dev/shm/areal-{name}'    # both grids
     python -m benchmarks.bench_staleness --grid interrupt --dry-run     # what is left, and its commands
-    python -m benchmarks.bench_staleness --only eta2-finish-s0 eta4-finish-s0
+    python -m benchmarks.bench_staleness --only max_staleness2-finish-s0 max_staleness4-finish-s0
     python -m benchmarks.bench_staleness --render    # tables into docs/benchmarks.md, docs/staleness_grid.png
 """
 
@@ -48,7 +49,8 @@ REPO = harness.REPO
 RESULTS = REPO / "benchmarks" / "results" / "staleness_grid.json"
 PAGE = REPO / "docs" / "benchmarks.md"
 FIGURE = REPO / "docs" / "staleness_grid.png"
-ETAS = {"staleness": (0, 1, 2, 4, 8), "interrupt": (2, 4)}
+MAX_STALENESS = {"staleness": (0, 1, 2, 4, 8), "interrupt": (2, 4)}
+"""The ``rollout.max_staleness`` values of each grid."""
 TARGETS = (0.5, 0.6)
 
 
@@ -57,13 +59,13 @@ class Cell:
     """One run of the grid: ``variant`` is the loss (staleness grid) or kv_after_load (interrupt)."""
 
     grid: str
-    eta: int
+    max_staleness: int
     variant: str
     seed: int
 
     @property
     def name(self) -> str:
-        return f"eta{self.eta}-{self.variant}-s{self.seed}"
+        return f"max_staleness{self.max_staleness}-{self.variant}-s{self.seed}"
 
     @property
     def decoupled(self) -> bool:
@@ -76,17 +78,19 @@ class Cell:
     @property
     def run(self) -> Cell:
         """The cell whose run this is: an interrupt ``keep`` cell is the staleness ``decoupled`` one."""
-        return Cell("staleness", self.eta, "decoupled", self.seed) if self.variant == "keep" else self
+        return (
+            Cell("staleness", self.max_staleness, "decoupled", self.seed) if self.variant == "keep" else self
+        )
 
 
-def plan(grid: str, etas: Sequence[int] | None, seeds: Sequence[int]) -> list[Cell]:
+def plan(grid: str, max_staleness: Sequence[int] | None, seeds: Sequence[int]) -> list[Cell]:
     """The cells of ``grid`` (``staleness``, ``interrupt`` or ``all``), seed by seed."""
     grids = ("staleness", "interrupt") if grid == "all" else (grid,)
     return [
-        Cell(g, eta, variant, seed)
+        Cell(g, bound, variant, seed)
         for seed in seeds
         for g in grids
-        for eta in (etas if etas is not None else ETAS[g])
+        for bound in (max_staleness if max_staleness is not None else MAX_STALENESS[g])
         for variant in VARIANTS[g]
     ]
 
@@ -130,7 +134,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict[str, Any] | None:
     sub = cell_args(args, cell)
     shutil.rmtree(args.out / cell.name, ignore_errors=True)  # a killed attempt is never resumed
     launched = time.time()
-    row = bench_async.run_one(sub, cell.name, cell.eta, cell.decoupled)
+    row = bench_async.run_one(sub, cell.name, cell.max_staleness, cell.decoupled)
     log = harness.repo_path(args.out / f"{cell.name}.log")
     if row["returncode"] != 0 or row.get("steps", 0) < args.steps:
         print(f"{cell.name}: failed (exit {row['returncode']}, {row.get('steps', 0)} steps); see {log}")
@@ -138,11 +142,11 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict[str, Any] | None:
     run_dir = args.out / cell.name
     steps, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
     env = harness.capture_env()
-    overrides = bench_async.command_for(sub, cell.name, cell.eta, cell.decoupled)[2]
+    overrides = bench_async.command_for(sub, cell.name, cell.max_staleness, cell.decoupled)[2]
     summary = summarize_run(steps, evals, range(10, args.steps + 1, 10), args.wall_times)
     return {
         "name": cell.name,
-        "eta": cell.eta,
+        "max_staleness": cell.max_staleness,
         "objective": "decoupled" if cell.decoupled else "naive",
         "kv_after_load": cell.mode,
         "seed": cell.seed,
@@ -167,7 +171,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grid", choices=("staleness", "interrupt", "all"), default="all")
     p.add_argument(
-        "--etas", default=None, help="max_staleness values (default 0,1,2,4,8 staleness; 2,4 interrupt)"
+        "--max-staleness",
+        "--etas",
+        dest="max_staleness",
+        default=None,
+        help="comma list of rollout.max_staleness values (default 0,1,2,4,8 staleness; 2,4 interrupt)",
     )
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--steps", type=int, default=60)
@@ -192,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         render(args.results, args.page, args.figure)
         return
     args.wall_times = [int(t) for t in args.wall_times.split(",") if t.strip()]
-    etas = [int(e) for e in args.etas.split(",") if e.strip()] if args.etas else None
-    cells = plan(args.grid, etas, [int(s) for s in args.seeds.split(",") if s.strip()])
+    bounds = [int(e) for e in args.max_staleness.split(",") if e.strip()] if args.max_staleness else None
+    cells = plan(args.grid, bounds, [int(s) for s in args.seeds.split(",") if s.strip()])
     if args.only:
         unknown = sorted(set(args.only) - {c.name for c in cells})
         if unknown:
@@ -210,7 +218,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"  done: {' = '.join(names)}")
     if args.dry_run:
         for run in todo:
-            cmd, env, _ = bench_async.command_for(cell_args(args, run), run.name, run.eta, run.decoupled)
+            cmd, env, _ = bench_async.command_for(
+                cell_args(args, run), run.name, run.max_staleness, run.decoupled
+            )
             also = [n for n in runs[run] if n != run.name]
             print(f"{run.name}{f' (also {also[0]})' if also else ''}: ", end="")
             print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))

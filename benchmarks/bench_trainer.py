@@ -1,6 +1,8 @@
 """Benchmark the training engines (FSDP2, megatron-core): step time, tokens/s and MFU on synthetic RL batches.
 
-Each configuration builds a training engine (`--backend`), makes a batch of `--seqs` sequences
+Each configuration builds a training engine (`--backend`) from the trainer section a run file gets
+(`TrainerConfig`: the optimizer, lr schedule and clip of `--config RUN.yaml`, or a run file's
+defaults; dtype, device, budgets and kernels from the flags below), makes a batch of `--seqs` sequences
 (prompt `--prompt-len`, completion lengths drawn uniformly from
 `[(1 - jitter) * completion_len, completion_len]`), runs `--warmup` untimed steps, then
 `--steps` timed ones. A step is what the trainer does per batch: the update with the run's loss
@@ -57,9 +59,10 @@ import torch
 import torch.distributed as dist
 
 from areal_async.algo.presets import PRESETS, preset_overrides
-from areal_async.config import LossConfig, MegatronConfig
+from areal_async.config import LossConfig
 from areal_async.logs import configure_logging
 from areal_async.lora import LoraConfig
+from areal_async.run_file import load_config
 from areal_async.training.batching import TrainSequence, pack_micro_batches, pack_tokens
 from areal_async.training.fsdp.engine import FSDPTrainEngine, LossFn, init_distributed
 from areal_async.training.learner import global_denominator, make_loss_fn
@@ -168,31 +171,35 @@ def largest_over_ranks(value: float) -> float:
 def bench_one(
     model_dir: Path, label: str, dtype: str, backend: str, args: argparse.Namespace
 ) -> dict[str, Any]:
-    common: dict[str, Any] = dict(
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    trainer = dataclasses.replace(
+        load_config(args.config).trainer,  # the run file's optimizer and schedule, as a run trains
+        backend=backend,
         dtype=dtype,
-        lr=1e-6,
+        device=args.device,
+        num_ranks=world,
         total_steps=args.warmup + args.steps,
         micro_batch_tokens=args.micro_batch_tokens,
-        device=args.device,
         gradient_checkpointing=args.gradient_checkpointing,
-        logprob_chunk_tokens=args.logprob_chunk_tokens,
         compile=args.compile,
         logprob_kernel=args.logprob_kernel,
         attention_kernel=args.attention_kernel,
+        context_parallel=args.context_parallel,
+        lora=LoraConfig(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None,
     )
     engine: Any
     if backend == "megatron":
         from areal_async.training.megatron.engine import MegatronTrainEngine
 
-        parallel = MegatronConfig(context_parallel=args.context_parallel)
-        engine = MegatronTrainEngine(model_dir, megatron=parallel, **common)  # packed rows always
+        engine = MegatronTrainEngine(  # packed rows always
+            model_dir, trainer, logprob_chunk_tokens=args.logprob_chunk_tokens
+        )
     else:
         engine = FSDPTrainEngine(
             model_dir,
+            trainer,
+            logprob_chunk_tokens=args.logprob_chunk_tokens,
             packed={"auto": None, "on": True, "off": False}[args.packed],
-            lora=LoraConfig(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None,
-            context_parallel=args.context_parallel,
-            **common,
         )
     world = dist.get_world_size() if dist.is_initialized() else 1
     params = sum(p.numel() for p in engine.model.parameters())
@@ -422,6 +429,14 @@ def main() -> None:
         default=1,
         metavar="C",
         help="under torchrun: ranks each packed row is split over (fsdp2 and megatron)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="RUN.yaml",
+        help="run file whose trainer.optimizer (lr, betas, eps, schedule, clip) the engines use, and "
+        "trainer.megatron's model-parallel sizes (default: a run file's defaults)",
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)

@@ -1,10 +1,10 @@
 """The staleness grid's results file and its section of docs/benchmarks.md.
 
 ``benchmarks/results/staleness_grid.json`` (committed, so cells accumulate across sessions and
-machines) holds one record per run, keyed by cell name (``eta2-decoupled-s0``)::
+machines) holds one record per run, keyed by cell name (``max_staleness2-decoupled-s0``)::
 
-    {"benchmark": "staleness_grid", "cells": {"eta2-decoupled-s0": {
-        "eta": 2, "objective": "decoupled" | "naive", "kv_after_load": "keep" | "recompute" | "finish",
+    {"benchmark": "staleness_grid", "cells": {"max_staleness2-decoupled-s0": {
+        "max_staleness": 2, "objective": "decoupled" | "naive", "kv_after_load": "keep" | "recompute" | "finish",
         "seed": 0, "config": ..., "overrides": [...], "extra": [...], "machine": <CPU model>,
         "hardware": ..., "commit": ..., "time": ..., "steps": 60, "wall_s": ..., "startup_s": ...,
         "train_s": ..., "trained_tokens_per_s": ..., "seconds_per_step": ...,
@@ -81,18 +81,23 @@ def spread(values: Sequence[float | None], digits: int = 2, scale: float = 1.0) 
 
 
 def groups(cells: Iterable[Record], grid: str) -> dict[tuple[int, str], list[Record]]:
-    """Records by (eta, loss) for the staleness grid (kept KV), by (eta, kv_after_load) for the
-    interrupt grid (decoupled loss, at the etas where a recompute or finish cell exists)."""
+    """Records by (max_staleness, loss) for the staleness grid (kept KV), by (max_staleness,
+    kv_after_load) for the interrupt grid (decoupled loss, at the bounds where a recompute or finish
+    cell exists)."""
     cells = list(cells)
     if grid == "staleness":
         pick = [(c, c["objective"]) for c in cells if c["kv_after_load"] == "keep"]
     else:
-        etas = {c["eta"] for c in cells if c["kv_after_load"] != "keep"}
-        pick = [(c, c["kv_after_load"]) for c in cells if c["objective"] == "decoupled" and c["eta"] in etas]
+        bounds = {c["max_staleness"] for c in cells if c["kv_after_load"] != "keep"}
+        pick = [
+            (c, c["kv_after_load"])
+            for c in cells
+            if c["objective"] == "decoupled" and c["max_staleness"] in bounds
+        ]
     order = {v: i for i, v in enumerate(VARIANTS[grid])}
     out: dict[tuple[int, str], list[Record]] = {}
-    for cell, variant in sorted(pick, key=lambda p: (p[0]["eta"], order[p[1]], p[0]["seed"])):
-        out.setdefault((cell["eta"], variant), []).append(cell)
+    for cell, variant in sorted(pick, key=lambda p: (p[0]["max_staleness"], order[p[1]], p[0]["seed"])):
+        out.setdefault((cell["max_staleness"], variant), []).append(cell)
     return out
 
 
@@ -132,15 +137,15 @@ def tables(grid: str, by: Mapping[tuple[int, str], list[Record]]) -> list[str]:
     label = "loss" if grid == "staleness" else "kv_after_load"
     first = next(iter(by.values()))[0]
     at_steps, at_s = list(first["accuracy_at_step"]), list(first["accuracy_at_s"])
-    speed = [[str(eta), v, *(column(cs) for column in SPEED.values())] for (eta, v), cs in by.items()]
+    speed = [[str(bound), v, *(column(cs) for column in SPEED.values())] for (bound, v), cs in by.items()]
     accuracy = [
-        [str(eta), v]
+        [str(bound), v]
         + [spread([c["accuracy_at_step"].get(s) for c in cs]) for s in at_steps]
         + [spread([c["accuracy_at_s"].get(t) for c in cs]) for t in at_s]
-        for (eta, v), cs in by.items()
+        for (bound, v), cs in by.items()
     ]
-    head = ["eta", label, *(f"acc @{s}" for s in at_steps), *(f"acc @{t} s" for t in at_s)]
-    return [*markdown(["eta", label, *SPEED], speed), "", *markdown(head, accuracy)]
+    head = ["max_staleness", label, *(f"acc @{s}" for s in at_steps), *(f"acc @{t} s" for t in at_s)]
+    return [*markdown(["max_staleness", label, *SPEED], speed), "", *markdown(head, accuracy)]
 
 
 def _at_common_time(a: list[Record], b: list[Record]) -> tuple[str, list[Any], list[Any]] | None:
@@ -169,9 +174,10 @@ def comparisons(cells: Sequence[Record]) -> list[str]:
     """Which differences exceed the seed spread: a row per pair of groups, a column per metric; a
     difference counts only where both have 2+ seeds and their min-max ranges do not overlap."""
     st, it = groups(cells, "staleness"), groups(cells, "interrupt")
-    pairs = {f"eta{e} naive vs decoupled": (st.get((e, "naive")), st.get((e, "decoupled"))) for e, _ in st}
-    pairs |= {f"eta{e} {v} vs eta0": (st.get((e, v)), st.get((0, v))) for e, v in st if e > 0}
-    pairs |= {f"eta{e} {v} vs keep": (it.get((e, v)), it.get((e, "keep"))) for e, v in it if v != "keep"}
+    name = "max_staleness"
+    pairs = {f"{name}{e} naive vs decoupled": (st.get((e, "naive")), st.get((e, "decoupled"))) for e, _ in st}
+    pairs |= {f"{name}{e} {v} vs {name}0": (st.get((e, v)), st.get((0, v))) for e, v in st if e > 0}
+    pairs |= {f"{name}{e} {v} vs keep": (it.get((e, v)), it.get((e, "keep"))) for e, v in it if v != "keep"}
     rows = []
     for name, (a, b) in pairs.items():
         if not (a and b):
@@ -241,10 +247,10 @@ def plot(doc: Mapping[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(len(grids), 2, figsize=(12, 4.2 * len(grids)), squeeze=False)
     for row, grid in zip(axes, grids, strict=True):
         by = groups(cells, grid)
-        etas = sorted({eta for eta, _ in by})
-        for (eta, variant), members in by.items():
+        bounds = sorted({bound for bound, _ in by})
+        for (bound, variant), members in by.items():
             dash = ("-", "--", ":")[VARIANTS[grid].index(variant)]
-            style = {"color": f"C{etas.index(eta) % 10}", "linestyle": dash}
+            style = {"color": f"C{bounds.index(bound) % 10}", "linestyle": dash}
             for ax, axis in zip(row, (0, 1), strict=True):
                 curves = [sorted((e[axis], e[2]) for e in c["evals"]) for c in members]
                 xs = sorted({x for curve in curves for x, _ in curve})
@@ -252,7 +258,10 @@ def plot(doc: Mapping[str, Any], out: Path) -> None:
                 keep = [k for k, y in enumerate(ys) if y]
                 xs, ys = [xs[k] for k in keep], [ys[k] for k in keep]
                 ax.plot(
-                    xs, [sum(y) / len(y) for y in ys], label=f"eta{eta} {variant} (n={len(members)})", **style
+                    xs,
+                    [sum(y) / len(y) for y in ys],
+                    label=f"max_staleness {bound} {variant} (n={len(members)})",
+                    **style,
                 )
                 ax.fill_between(
                     xs, [min(y) for y in ys], [max(y) for y in ys], color=style["color"], alpha=0.15

@@ -42,6 +42,7 @@ Errors are the ``BusError`` tree of ``bus.errors``.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -342,6 +343,42 @@ class Bus:
                 f"got {consumer!r}"
             )
         return Consumer(self, spec, durable, batch, fetch_timeout)
+
+    async def reclaim(self, stream_or_consumer: str) -> bool:
+        """Deliver again, now, every message a work-queue stream's consumer has out unacked.
+
+        For a consumer with one reader at a time (the trainer's), called by a reader that starts
+        after its predecessor stopped: killed, crashed, or frozen and replaced. Without it, what
+        the predecessor held comes back only when its ``ack_wait`` runs out. It is a JetStream
+        consumer reset: the consumer starts again at the stream's first message, and on a
+        work-queue stream every message still stored is one nobody acked, so exactly those are
+        delivered again (``num_delivered`` restarts at 1). A live reader of the same consumer
+        would see its unacked messages delivered twice: never call it beside one.
+
+        Returns False, logged, where the server refuses or lacks the reset (it came with
+        nats-server 2.14); the messages then come back after ``ack_wait`` as before.
+        """
+        spec = self.subjects.stream(stream_or_consumer)
+        if spec.retention != "work_queue" or spec.consumer is None:
+            raise ValueError(
+                f"reclaim needs a work-queue stream with a durable consumer; {spec.name} is "
+                f"{spec.retention} with consumer {spec.consumer!r}"
+            )
+        subject = f"$JS.API.CONSUMER.RESET.{spec.name}.{spec.consumer}"
+        try:
+            reply = await self.nc.request(subject, b"", timeout=self.options.request_timeout_s)
+            error = json.loads(reply.data).get("error")
+        except (nats.errors.Error, ValueError) as exc:
+            error = repr(exc)
+        if error:
+            log.warning(
+                "consumer reset refused; unacked messages return after ack_wait",
+                consumer=spec.consumer,
+                stream=spec.name,
+                error=error,
+            )
+            return False
+        return True
 
     async def delivery(self, msg: Msg) -> Delivery | None:
         """The Delivery of a fetched message; None (dead-lettered and acked) if it does not decode."""

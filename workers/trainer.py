@@ -24,7 +24,8 @@ compute (``Learner.follow``). Each step at trainer version ``t``:
 Lossless resume (docs/design.md section 8): trained groups stay unacknowledged until the next
 checkpoint commits (every ``checkpoint.every_steps`` and at the end); only then are they
 acked. A trainer killed between checkpoints restarts from the last one: the groups of the
-lost steps are redelivered and trained again (or recycled by the guard), the controller
+lost steps are redelivered (at once: a starting trainer reclaims what its predecessor held,
+``Bus.reclaim``) and trained again (or recycled by the guard), the controller
 rolls back its count when it sees a repeated step number. Task ids of every committed
 step are in the checkpoint, so nothing is trained twice.
 
@@ -510,6 +511,8 @@ async def serve(ctx: WorkerContext) -> None:
             await trainer.write_to_bus(learner.version, await anyio.to_thread.run_sync(snapshot))
         manifest = await anyio.to_thread.run_sync(learner.save_weights, path)
         await trainer.publish_weights(learner.version, path, manifest, 0.0)
+    # The one reader of the SCORED consumer: what an earlier trainer process held comes back now.
+    await ctx.bus.reclaim(Streams.SCORED)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer.receive)

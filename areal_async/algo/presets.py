@@ -2,16 +2,17 @@
 
 ``LOSS_FIELDS`` lists every field of ``config.LossConfig`` with its default (the ``ppo_decoupled``
 recipe), read from the dataclass: the defaults live only there. Every entry of ``PRESETS`` is complete:
-it sets every field of ``LOSS_FIELDS`` except ``preset`` itself. ``config.py`` applies the preset first
-and the run file's own keys over it.
+it sets every field of ``LOSS_FIELDS`` except ``preset`` itself. The run-file loader
+(``areal_async/run_file.py``) applies the preset first and the run file's own keys over it; a
+``LossConfig`` built in code is taken as written (pass ``preset_overrides(name)`` for a recipe).
 
 The behaviour weight pi_prox / pi_behave (with its cap) is applied whenever ``decoupled`` is on. Recipes
 named after a synchronous paper keep that paper's advantage and aggregation choices; all but ``grpo``
 keep the decoupled objective, since the paper's version of it (ratio against pi_behave) degrades with
 staleness (AReaL Table 2).
 
-Torch-free. ``config.py`` imports this module only when it applies a preset, so reading
-``LossConfig`` here makes no import cycle.
+Torch-free. ``run_file.py`` imports this module inside the function that applies a preset, so
+reading ``LossConfig`` here makes no import cycle.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Context parallelism of both trainer backends (`trainer.context_parallel` on FSDP2,
-`trainer.megatron.context_parallel` on Megatron): every packed micro-batch row is split over the C
+"""Context parallelism of both trainer backends (`trainer.context_parallel`; groups of consecutive
+ranks on FSDP2, megatron-core's on Megatron): every packed micro-batch row is split over the C
 ranks of a context-parallel group, so each rank's activations hold 1/C of its tokens.
 
 Split (`ContextPart.of`). The ranks of a group hold the same data shard and collate the same

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -206,54 +206,32 @@ class Learner:
 
     def __init__(self, cfg: RunConfig, model_path: str) -> None:
         t = cfg.trainer
-        opt = t.optimizer
         self.cfg = cfg
         self.loss = t.loss
         self.prox_pass = self.needs_prox_pass(t)
         self.max_new_tokens = cfg.rollout.sampling.max_new_tokens
         temperature = cfg.rollout.sampling.temperature or 1.0
         set_torch_threads(t.num_threads)
-        common: dict[str, Any] = dict(
-            dtype=t.dtype,
-            lr=opt.lr,
-            betas=tuple(opt.betas),
-            weight_decay=opt.weight_decay,
-            eps=opt.eps,
-            warmup_steps=opt.warmup_steps,
-            total_steps=t.total_steps,
-            lr_schedule=opt.lr_schedule,
-            min_lr_ratio=opt.min_lr_ratio,
-            grad_clip=opt.grad_clip,
-            micro_batch_tokens=t.micro_batch_tokens,
-            device=t.device,
-            gradient_checkpointing=t.gradient_checkpointing,
-            compile=t.compile,
-            logprob_kernel=t.logprob_kernel,
-            attention_kernel=t.attention_kernel,
-            seed=cfg.seed,
-            temperature=temperature,
-        )
         self.engine: TrainEngine
         if t.backend == "megatron":
             from areal_async.training.megatron.engine import MegatronTrainEngine
 
-            self.engine = MegatronTrainEngine(model_path, megatron=t.megatron, **common)
+            self.engine = MegatronTrainEngine(model_path, t, seed=cfg.seed, temperature=temperature)
         else:
-            self.engine = FSDPTrainEngine(
-                model_path, lora=t.lora, context_parallel=t.context_parallel, **common
-            )
+            self.engine = FSDPTrainEngine(model_path, t, seed=cfg.seed, temperature=temperature)
         self.ref: FSDPTrainEngine | None = None
         if self.loss.kl_coef > 0:
-            self.ref = FSDPTrainEngine(
-                t.ref_model or model_path,
-                dtype=t.dtype,
-                device=t.device,
-                micro_batch_tokens=t.micro_batch_tokens,
-                temperature=temperature,
-                logprob_kernel=t.logprob_kernel,
-                attention_kernel=t.attention_kernel,
-                context_parallel=t.context_parallel,
+            # Forward only, on FSDP2 on both backends: no adapters, compilation or recomputation, and
+            # context-parallel groups of FSDP2's layout on fsdp2 runs only.
+            ref_trainer = replace(
+                t,
+                backend="fsdp2",
+                lora=None,
+                compile=False,
+                gradient_checkpointing=False,
+                context_parallel=t.context_parallel if t.backend == "fsdp2" else 1,
             )
+            self.ref = FSDPTrainEngine(t.ref_model or model_path, ref_trainer, temperature=temperature)
         self.rank = self.engine.rank
         self.world_size = self.engine.world_size
 

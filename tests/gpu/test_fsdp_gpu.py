@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 
 from areal_async.training.batching import TrainSequence
 from areal_async.training.fsdp.engine import FSDPTrainEngine
+from tests.helpers.engines import fsdp_engine
 from tests.helpers.fsdp_helpers import random_batch, write_tiny_llama
 
 pytestmark = [
@@ -41,7 +42,7 @@ def make_engine(model_dir: Path, **kw: object) -> FSDPTrainEngine:
         "micro_batch_tokens": 128,
         "device": "cuda",
     }
-    return FSDPTrainEngine(model_dir, **(options | kw))  # type: ignore[arg-type]
+    return fsdp_engine(model_dir, **(options | kw))
 
 
 def test_bf16_steps_on_cuda_move_logprobs_the_advantage_way(model_dir: Path, tmp_path: Path) -> None:

@@ -61,21 +61,21 @@ def _run(engine: Any) -> dict[str, Any]:
 
 
 def _megatron(rank: int, model: Path, out: Path, compile: bool) -> None:
-    from areal_async.training.megatron.engine import MegatronTrainEngine
+    from tests.helpers.engines import megatron_engine
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(out / "inductor"))
-    engine = MegatronTrainEngine(model, compile=compile, **OPTIONS)
+    engine = megatron_engine(model, compile=compile, **OPTIONS)
     torch.save(_run(engine), out / f"megatron-compile{int(compile)}.pt")
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_megatron_matches_fsdp2_in_bf16(tmp_path: Path, compile: bool) -> None:
-    from areal_async.training.fsdp.engine import FSDPTrainEngine
+    from tests.helpers.engines import fsdp_engine
 
     model = _model(tmp_path / "model")
     mp.spawn(_megatron, args=(model, tmp_path, compile), nprocs=1, join=True)
     got = torch.load(tmp_path / f"megatron-compile{int(compile)}.pt", weights_only=False)
-    want = _run(FSDPTrainEngine(model, packed=True, **OPTIONS))
+    want = _run(fsdp_engine(model, packed=True, **OPTIONS))
     diffs = torch.cat([(g - w).abs() for g, w in zip(got["logprobs"], want["logprobs"], strict=True)])
     assert diffs.mean() < 2e-2 and diffs.max() < 0.5, (diffs.mean(), diffs.max())
     for g, w in zip(got["metrics"], want["metrics"], strict=True):

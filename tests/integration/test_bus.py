@@ -168,6 +168,34 @@ async def test_unacked_message_is_redelivered_to_another_consumer(bus_factory: B
 
 
 @pytest.mark.asyncio
+async def test_a_reader_that_reclaims_gets_what_its_dead_predecessor_held_at_once(
+    bus_factory: BusFactory,
+) -> None:
+    """reclaim() hands a restarted sole reader every unacked message now, not after ack_wait;
+    acked ones stay gone, and a stream without a durable consumer of its own is refused."""
+    first = await bus_factory(name="trainer-a")
+    await first.provision(ack_wait=600.0)
+    for i in range(5):
+        await first.publish(first.subjects.prompt, prompt_task(i), msg_id=f"train:0:{i}:0")
+    consumer = first.consume("PROMPT", batch=1)
+    held = [await next_delivery(consumer) for _ in range(3)]
+    await held[0].ack_sync()
+    await first.nc.close()  # dies holding tasks 1 and 2
+
+    second = await bus_factory(name="trainer-b")
+    assert await second.reclaim("PROMPT")
+    with anyio.fail_after(20):  # far below ack_wait: only the reset can deliver them
+        async with second.consume("PROMPT", batch=4, fetch_timeout=0.5) as deliveries:
+            got = [await next_delivery(deliveries) for _ in range(4)]
+            for d in got:
+                await d.ack_sync()
+    assert sorted(d.event.index for d in got) == [1, 2, 3, 4]
+    assert await stream_messages(second, "PROMPT") == 0
+    with pytest.raises(ValueError, match="work-queue stream with a durable consumer"):
+        await second.reclaim("STEPS")
+
+
+@pytest.mark.asyncio
 async def test_nak_redelivers_and_closing_a_consumer_returns_unhanded_messages(bus: Bus) -> None:
     """nak() puts a message back at once; close() naks what was fetched but not handed out."""
     for i in range(3):

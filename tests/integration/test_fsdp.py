@@ -19,6 +19,7 @@ from areal_async.training.batching import TrainSequence
 from areal_async.training.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.training.fsdp.engine import FSDPTrainEngine, init_distributed
 from areal_async.weights_file import tensor_sha256
+from tests.helpers.engines import fsdp_engine
 from tests.helpers.fsdp_helpers import as_torchrun_rank, random_batch, write_tiny_llama
 from tests.helpers.numerics import LINEAR_ADAM, assert_same_updates
 
@@ -69,8 +70,14 @@ def with_prox(engine: FSDPTrainEngine, seqs: list[TrainSequence]) -> list[TrainS
 
 
 def make_engine(model_dir: Path, **kw: Any) -> FSDPTrainEngine:
-    options: dict[str, Any] = {"lr": 1e-3, "total_steps": 10, "micro_batch_tokens": 24, "grad_clip": 1.0}
-    return FSDPTrainEngine(model_dir, **(options | kw))
+    options: dict[str, Any] = {
+        "dtype": "float32",
+        "lr": 1e-3,
+        "total_steps": 10,
+        "micro_batch_tokens": 24,
+        "grad_clip": 1.0,
+    }
+    return fsdp_engine(model_dir, **(options | kw))
 
 
 def free_port() -> int:

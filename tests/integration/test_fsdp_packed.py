@@ -10,6 +10,7 @@ import torch
 
 from areal_async.training.batching import TrainSequence
 from areal_async.training.fsdp.engine import FSDPTrainEngine
+from tests.helpers.engines import fsdp_engine
 from tests.helpers.fsdp_helpers import random_batch, write_tiny_llama
 
 VOCAB = 64
@@ -35,8 +36,14 @@ def pg_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.
 def make_engine(model_dir: Path, **kw: Any) -> FSDPTrainEngine:
     # eps >> |grad|: Adam's first update is lr * grad / (|grad| + eps) ~ grad, so the
     # parameter change shows the gradient itself, not only its sign.
-    options: dict[str, Any] = {"lr": 1e3, "eps": 1e3, "grad_clip": 0.0, "micro_batch_tokens": 30}
-    return FSDPTrainEngine(model_dir, **(options | kw))
+    options: dict[str, Any] = {
+        "dtype": "float32",
+        "lr": 1e3,
+        "eps": 1e3,
+        "grad_clip": 0.0,
+        "micro_batch_tokens": 30,
+    }
+    return fsdp_engine(model_dir, **(options | kw))
 
 
 def test_packed_logprobs_and_gradients_match_padded_rows(model_dir: Path) -> None:

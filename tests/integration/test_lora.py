@@ -23,6 +23,7 @@ from areal_async.engines.local.engine import LocalEngine
 from areal_async.training.batching import TrainSequence
 from areal_async.training.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.training.fsdp.engine import FSDPTrainEngine, init_distributed
+from tests.helpers.engines import fsdp_engine
 from tests.helpers.fsdp_helpers import random_batch, write_tiny_llama
 from tests.helpers.numerics import LINEAR_ADAM, assert_same_updates
 from tests.integration.test_fsdp import pg_loss
@@ -37,8 +38,14 @@ def untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model_dir: Path, **kw: Any) -> FSDPTrainEngine:
-    options: dict[str, Any] = {"lr": 1e-2, "total_steps": 10, "micro_batch_tokens": 64, "lora": SPEC}
-    return FSDPTrainEngine(model_dir, **(options | kw))
+    options: dict[str, Any] = {
+        "dtype": "float32",
+        "lr": 1e-2,
+        "total_steps": 10,
+        "micro_batch_tokens": 64,
+        "lora": SPEC,
+    }
+    return fsdp_engine(model_dir, **(options | kw))
 
 
 def batch(seed: int = 0) -> list[TrainSequence]:
@@ -105,7 +112,7 @@ def test_merged_weights_give_the_trainer_s_logprobs(untied: Path) -> None:
     engine.train_step(batch(0), pg_loss)
     merged = engine.merged_hf()
     assert merged is not None and not any(".base_layer." in n or lora.is_adapter_name(n) for n in merged)
-    plain = FSDPTrainEngine(untied, micro_batch_tokens=64)
+    plain = make_engine(untied, lora=None)
     plain.model.hf.load_state_dict(merged)
     seqs = batch(3)
     for x, y in zip(engine.compute_logprobs(seqs), plain.compute_logprobs(seqs), strict=True):
@@ -155,7 +162,7 @@ async def test_the_local_engine_serves_each_version_s_adapter(untied: Path, tmp_
     """After each adapter version loads, the engine's greedy tokens' logprobs equal the trainer's
     own forward at that version, and differ from the base model's by far more than the tolerance."""
     trainer = make_engine(untied)
-    base = FSDPTrainEngine(untied, micro_batch_tokens=64)
+    base = make_engine(untied, lora=None)
     prompt = [5, 9, 14, 3, 22, 7]
     async with LocalEngine(untied, max_batch_size=2, dtype="float32") as engine:
         for version in (1, 2, 3):

@@ -30,6 +30,7 @@ from areal_async.config import MegatronConfig
 from areal_async.training.batching import TrainSequence
 from areal_async.training.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.training.fsdp.engine import FSDPTrainEngine
+from tests.helpers.engines import fsdp_engine, megatron_engine
 from tests.helpers.fsdp_helpers import as_torchrun_rank, random_batch
 from tests.helpers.numerics import LINEAR_ADAM, assert_same_updates
 from tests.integration.test_fsdp import free_port, pg_loss, ratio_loss
@@ -38,7 +39,7 @@ pytest.importorskip("megatron.core")
 
 VOCAB = 64
 STEPS = 2
-OPTIONS: dict[str, Any] = {"total_steps": 10, "micro_batch_tokens": 24, **LINEAR_ADAM}
+OPTIONS: dict[str, Any] = {"dtype": "float32", "total_steps": 10, "micro_batch_tokens": 24, **LINEAR_ADAM}
 SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -91,8 +92,6 @@ def run_engine(engine: Any, seqs: list[TrainSequence]) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str, Any]]) -> None:
-    from areal_async.training.megatron.engine import MegatronTrainEngine
-
     as_torchrun_rank(rank, world, port)
     try:
         for job in jobs:
@@ -100,14 +99,20 @@ def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str,
                 tensor_parallel=job["tp"],
                 pipeline_parallel=job.get("pp", 1),
                 virtual_pipeline=job.get("vpp", 1),
-                context_parallel=job.get("cp", 1),
                 sequence_parallel=job.get("sp", False),
             )
             # Activation checkpointing (which re-runs collectives in backward) and 5-row logprob
             # chunks must not change the numbers.
             split = job["tp"] > 1 or job.get("cp", 1) > 1
             extra = {"gradient_checkpointing": True, "logprob_chunk_tokens": 5} if split else {}
-            engine = MegatronTrainEngine(job["model"], megatron=megatron, **OPTIONS, **extra)
+            engine = megatron_engine(
+                job["model"],
+                num_ranks=world,
+                megatron=megatron,
+                context_parallel=job.get("cp", 1),
+                **OPTIONS,
+                **extra,
+            )
             seqs = make_batch()
             if engine.dp_size > 1:
                 seqs = seqs[engine.dp_rank :: engine.dp_size]
@@ -143,7 +148,7 @@ def spawn(world: int, out: Path, jobs: list[dict[str, Any]]) -> None:
 def reference(model: Path) -> tuple[FSDPTrainEngine, dict[str, Any]]:
     """One FSDP2 process: `run_engine`, then a two-pass step (pi_prox from a separate pass)."""
     torch.set_num_threads(1)
-    engine = FSDPTrainEngine(model, **OPTIONS)
+    engine = fsdp_engine(model, **OPTIONS)
     before = engine.snapshot_hf()
     out = run_engine(engine, make_batch()) | {"before": before}
     out["prox_step"] = engine.train_step(make_batch(), ratio_loss, compute_prox=True, prox_pass=True)
@@ -247,12 +252,10 @@ def test_checkpoints_refuse_the_other_backend(models: dict[str, Path], tmp_path:
 
 
 def test_bf16_on_cpu_is_refused_before_anything_starts(models: dict[str, Path]) -> None:
-    from areal_async.training.megatron.engine import MegatronTrainEngine
-
     with pytest.raises(
         ValueError, match="trainer.dtype=bfloat16 with trainer.backend=megatron needs trainer.device=cuda"
     ):
-        MegatronTrainEngine(models["llama"], dtype="bfloat16")
+        megatron_engine(models["llama"], dtype="bfloat16")
     assert not dist.is_initialized()  # refused before megatron-core's process group
 
 

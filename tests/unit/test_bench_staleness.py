@@ -34,7 +34,7 @@ table
 """
 
 
-def record(eta: int, variant: str, seed: int, *, tok_s: float, accuracy: float) -> dict[str, Any]:
+def record(bound: int, variant: str, seed: int, *, tok_s: float, accuracy: float) -> dict[str, Any]:
     """A results-file record of a 60-step run (10 s per step) whose accuracy climbs to ``accuracy``."""
     objective = "naive" if variant == "naive" else "decoupled"
     mode = variant if variant in ("recompute", "finish") else "keep"
@@ -47,8 +47,8 @@ def record(eta: int, variant: str, seed: int, *, tok_s: float, accuracy: float) 
         for v in range(0, 61, 5)
     ]
     return {
-        "name": f"eta{eta}-{variant if mode != 'keep' or objective == 'naive' else 'decoupled'}-s{seed}",
-        "eta": eta,
+        "name": f"max_staleness{bound}-{variant if mode != 'keep' or objective == 'naive' else 'decoupled'}-s{seed}",
+        "max_staleness": bound,
         "objective": objective,
         "kv_after_load": mode,
         "seed": seed,
@@ -64,39 +64,39 @@ def record(eta: int, variant: str, seed: int, *, tok_s: float, accuracy: float) 
         "startup_s": 20.0,
         "trained_tokens_per_s": tok_s,
         "seconds_per_step": 10.0,
-        "staleness_mean": 0.8 * eta,
-        "staleness_max": float(eta),
+        "staleness_mean": 0.8 * bound,
+        "staleness_max": float(bound),
         **summarize_run(steps, evals, range(10, 61, 10), [120, 240, 480]),
     }
 
 
-def test_the_grids_have_a_cell_per_eta_variant_and_seed() -> None:
-    """staleness: 5 etas x {decoupled, naive}; interrupt: etas 2, 4 x {keep, recompute, finish};
+def test_the_grids_have_a_cell_per_bound_variant_and_seed() -> None:
+    """staleness: 5 bounds x {decoupled, naive}; interrupt: bounds 2, 4 x {keep, recompute, finish};
     cells run seed by seed, and a keep cell is the staleness grid's decoupled run."""
     staleness = plan("staleness", None, [0, 1])
     assert len(staleness) == 20
     assert [c.name for c in staleness[:4]] == [
-        "eta0-decoupled-s0",
-        "eta0-naive-s0",
-        "eta1-decoupled-s0",
-        "eta1-naive-s0",
+        "max_staleness0-decoupled-s0",
+        "max_staleness0-naive-s0",
+        "max_staleness1-decoupled-s0",
+        "max_staleness1-naive-s0",
     ]
     assert {c.seed for c in staleness[:10]} == {0}
     interrupt = plan("interrupt", None, [0, 1])
     assert [c.name for c in interrupt[:6]] == [
-        "eta2-keep-s0", "eta2-recompute-s0", "eta2-finish-s0", "eta4-keep-s0", "eta4-recompute-s0", "eta4-finish-s0",
+        "max_staleness2-keep-s0", "max_staleness2-recompute-s0", "max_staleness2-finish-s0", "max_staleness4-keep-s0", "max_staleness4-recompute-s0", "max_staleness4-finish-s0",
     ]  # fmt: skip
-    assert interrupt[0].run.name == "eta2-decoupled-s0"
+    assert interrupt[0].run.name == "max_staleness2-decoupled-s0"
     assert {c.mode for c in interrupt} == {"keep", "recompute", "finish"}
     assert {c.mode for c in staleness} == {"keep"}
-    assert not [c for c in staleness if c.name.startswith("eta2-naive")][0].decoupled
+    assert not [c for c in staleness if c.name.startswith("max_staleness2-naive")][0].decoupled
     assert len({c.run for c in plan("all", None, [0, 1])}) == 28
 
 
 def test_dry_run_lists_only_cells_missing_from_the_results_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Cells in the results file are skipped (eta2-keep with its decoupled run); the rest are printed
+    """Cells in the results file are skipped (max_staleness2-keep with its decoupled run); the rest are printed
     with their exact command; nothing runs and nothing is written."""
     results = tmp_path / "grid.json"
     for cell in (
@@ -108,16 +108,18 @@ def test_dry_run_lists_only_cells_missing_from_the_results_file(
     out_dir = tmp_path / "runs"
     bench_staleness.main(["--dry-run", "--results", str(results), "--out", str(out_dir), "--seeds", "0"])
     out = capsys.readouterr().out
-    commands = {line.split(":")[0].split()[0]: line for line in out.splitlines() if line.startswith("eta")}
+    commands = {
+        line.split(":")[0].split()[0]: line for line in out.splitlines() if line.startswith("max_staleness")
+    }
     assert "12 runs to do; 2 already in" in out
-    assert "done: eta2-decoupled-s0 = eta2-keep-s0" in out
-    assert "eta0-decoupled-s0" not in commands and "eta2-decoupled-s0" not in commands
-    assert "eta2-keep-s0" not in commands
-    finish = commands["eta4-finish-s0"]
+    assert "done: max_staleness2-decoupled-s0 = max_staleness2-keep-s0" in out
+    assert "max_staleness0-decoupled-s0" not in commands and "max_staleness2-decoupled-s0" not in commands
+    assert "max_staleness2-keep-s0" not in commands
+    finish = commands["max_staleness4-finish-s0"]
     for override in ("rollout.max_staleness=4", "trainer.total_steps=60", "trainer.loss.decoupled=true"):
         assert f"--set {override}" in finish
     assert "--set rollout.kv_after_load=finish --set seed=0" in finish
-    assert "trainer.loss.decoupled=false" in commands["eta8-naive-s0"]
+    assert "trainer.loss.decoupled=false" in commands["max_staleness8-naive-s0"]
     assert results.read_text() == before and not out_dir.exists()
 
 
@@ -167,7 +169,7 @@ def test_render_writes_tables_with_mean_and_spread_and_the_figure(tmp_path: Path
         "Intro written by hand." in text and "Reading written by hand." in text and text.endswith("table\n")
     )
     region = text.split(staleness_report.START)[1].split(staleness_report.END)[0]
-    assert "| eta | loss | seeds | trained tok/s |" in region
+    assert "| max_staleness | loss | seeds | trained tok/s |" in region
     assert (
         "| 2 | decoupled | 2 | 65.0 ± 5.0 | 10.00 ± 0.00 | 1.60 ± 0.00 / 2 | 0.100 ± 0.000 / 0.100 | 3.0 ± 0.0 / 3.0 |"
         in region
@@ -176,10 +178,13 @@ def test_render_writes_tables_with_mean_and_spread_and_the_figure(tmp_path: Path
         "| 2 | naive | 2 | 65.0 ± 1.0 | 10.00 ± 0.00 | 1.60 ± 0.00 / 2 | n/a (w = 1) | n/a (w = 1) |"
         in region
     )
-    assert "| eta | kv_after_load |" in region and "| 2 | finish | 2 | 51.0 ± 1.0 |" in region
+    assert "| max_staleness | kv_after_load |" in region and "| 2 | finish | 2 | 51.0 ± 1.0 |" in region
     assert "| 2 | decoupled | 0.11 ± 0.00 | 0.21 ± 0.01 |" in region  # acc @10, @20: accuracy * v / 60
-    assert "| eta2 naive vs decoupled | +0% within | **-34% apart** | **-34% apart** (@480 s) | - |" in region
-    assert "| eta2 finish vs keep | **-22% apart** | +2% within |" in region
+    assert (
+        "| max_staleness2 naive vs decoupled | +0% within | **-34% apart** | **-34% apart** (@480 s) | - |"
+        in region
+    )
+    assert "| max_staleness2 finish vs keep | **-22% apart** | +2% within |" in region
     assert "![staleness grid](grid.png)" in region and "Test CPU (cpu-test-2c)" in region
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -16,6 +16,7 @@ from areal_async.training import checkpoint
 from areal_async.training.batching import TrainSequence
 from areal_async.training.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from areal_async.training.fsdp.engine import FSDPTrainEngine
+from tests.helpers.engines import fsdp_engine
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,9 @@ def pg_loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.
 
 
 def make_engine(model_dir: Path, seed: int = 0) -> FSDPTrainEngine:
-    return FSDPTrainEngine(
+    return fsdp_engine(
         model_dir,
+        dtype="float32",
         lr=1e-2,
         warmup_steps=2,
         total_steps=6,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import structlog
 
 from areal_async.config import RunConfig
 from areal_async.errors import ConfigError
@@ -186,6 +187,38 @@ def test_unknown_preset_suggests_a_known_one() -> None:
     """A misspelt preset is refused with a hint."""
     with pytest.raises(ConfigError, match=r"unknown preset 'grpoo'; did you mean 'grpo'\?"):
         load_config(None, ["trainer.loss.preset=grpoo"])
+
+
+def test_the_megatron_context_parallel_key_of_older_run_files_is_read_as_the_one_key(tmp_path: Path) -> None:
+    """``trainer.megatron.context_parallel`` (in a file or a ``--set``) is ``trainer.context_parallel``,
+    with a warning naming the key to write instead; the file's other megatron keys stay."""
+    text = "trainer:\n  backend: megatron\n  num_ranks: 4\n  megatron:\n    tensor_parallel: 2\n"
+    path = _write(tmp_path, text + "    context_parallel: 2\n")
+    with structlog.testing.capture_logs() as logs:
+        cfg = load_config(path)
+    assert cfg.trainer.context_parallel == 2 and cfg.trainer.megatron.tensor_parallel == 2
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert (
+        warning["key"] == "trainer.megatron.context_parallel"
+        and "trainer.context_parallel: 2" in warning["fix"]
+    )
+    assert load_config(None, ["trainer.backend=megatron", "trainer.megatron.context_parallel=2"]) == (
+        load_config(None, ["trainer.backend=megatron", "trainer.context_parallel=2"])
+    )
+
+
+def test_the_old_and_the_new_context_parallel_key_must_agree(tmp_path: Path) -> None:
+    """Both keys with different values is ambiguous: refused, naming both keys, their values and the fix."""
+    path = _write(
+        tmp_path,
+        "trainer:\n  backend: megatron\n  context_parallel: 4\n  megatron:\n    context_parallel: 2\n",
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.megatron.context_parallel=2 and trainer.context_parallel=4 disagree.*"
+        r"delete trainer.megatron.context_parallel",
+    ):
+        load_config(path)
 
 
 def test_resolved_config_is_written_and_reloads_identically(tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ import torch
 
 from areal_async.config import LossConfig
 from areal_async.training.batching import TrainSequence, collate
-from areal_async.training.fsdp.engine import FSDPTrainEngine
 from areal_async.training.learner import GroupSample, build_sequences, global_denominator, make_loss_fn
 from bus import events as ev
 from tests.conftest import make_sample_events
+from tests.helpers.engines import fsdp_engine
 from tests.helpers.models import build_tiny_model
 from workers.trainer import Unfit, check_content, to_sample
 
@@ -58,8 +58,15 @@ def episodes(seed: int = 0) -> list[TrainSequence]:
 def one_step(model_dir: Path, seqs: list[TrainSequence], loss_fn: Callable, *, packed: bool) -> StepResult:
     """Metrics and parameter change of one step from the initial weights. Adam's eps >> |grad| makes
     the first update lr * grad / (|grad| + eps) ~ grad, so the change shows the gradient itself."""
-    engine = FSDPTrainEngine(
-        model_dir, lr=1e3, eps=1e3, grad_clip=0.0, weight_decay=0.0, micro_batch_tokens=24, packed=packed
+    engine = fsdp_engine(
+        model_dir,
+        dtype="float32",
+        lr=1e3,
+        eps=1e3,
+        grad_clip=0.0,
+        weight_decay=0.0,
+        micro_batch_tokens=24,
+        packed=packed,
     )
     before = [p.detach().clone() for p in engine.params]
     metrics = engine.train_step(seqs, loss_fn, compute_prox=True)

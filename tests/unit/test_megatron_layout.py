@@ -142,8 +142,8 @@ def test_megatron_config_errors_name_the_key_and_the_fix() -> None:
     with pytest.raises(ValueError, match="tensor_parallel must be"):
         MegatronConfig(tensor_parallel=0)
     with pytest.raises(ValueError, match="context_parallel must be"):
-        MegatronConfig(context_parallel=0)
-    MegatronConfig(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline=2, context_parallel=2)
+        TrainerConfig(backend="megatron", context_parallel=0)
+    MegatronConfig(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline=2)
     with pytest.raises(ValueError, match="virtual_pipeline=2 needs pipeline_parallel > 1"):
         MegatronConfig(virtual_pipeline=2)
     with pytest.raises(
@@ -152,8 +152,13 @@ def test_megatron_config_errors_name_the_key_and_the_fix() -> None:
     ):
         MegatronConfig(sequence_parallel=True)
     MegatronConfig(tensor_parallel=2, sequence_parallel=True)
-    MegatronConfig(  # with every other split
-        tensor_parallel=2, pipeline_parallel=2, virtual_pipeline=2, context_parallel=2, sequence_parallel=True
+    TrainerConfig(  # with every other split
+        backend="megatron",
+        num_ranks=8,
+        context_parallel=2,
+        megatron=MegatronConfig(
+            tensor_parallel=2, pipeline_parallel=2, virtual_pipeline=2, sequence_parallel=True
+        ),
     )
     with pytest.raises(ValueError, match=r"tensor_parallel=2 does not divide trainer.num_ranks=3"):
         TrainerConfig(backend="megatron", num_ranks=3, megatron=MegatronConfig(tensor_parallel=2))

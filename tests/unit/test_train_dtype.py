@@ -6,8 +6,8 @@ import pytest
 import structlog
 import torch
 
+from areal_async.config import TrainerConfig
 from areal_async.training import setup as train_setup
-from areal_async.training.fsdp.engine import FSDPTrainEngine
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -34,6 +34,6 @@ def test_cpu_bf16_probe_matches_what_torch_reports() -> None:
     assert train_setup.fast_bf16(torch.device("cpu")) is bool(native)
 
 
-def test_unknown_dtype_names_the_choices(tmp_path) -> None:
-    with pytest.raises(ValueError, match="'auto', 'float32' or 'bfloat16'"):
-        FSDPTrainEngine(tmp_path, dtype="fp8")  # type: ignore[arg-type]
+def test_unknown_dtype_names_the_key_and_the_choices() -> None:
+    with pytest.raises(ValueError, match="trainer.dtype must be 'auto', 'float32' or 'bfloat16', got 'fp8'"):
+        TrainerConfig(dtype="fp8")  # type: ignore[arg-type]

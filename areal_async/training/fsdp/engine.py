@@ -8,7 +8,7 @@ over the ranks and gradients are summed (not averaged) across ranks.
 Data, loss and model contracts, micro-batching and the optimizer step: `training/loop.py`
 (`TrainLoop`); this module builds the model, shards it and owns its optimizer. Every rank is a
 data-parallel rank here, so `dp_rank`/`dp_size` are the rank and world size, unless
-`context_parallel` C > 1: then runs of C consecutive ranks share each packed row
+`trainer.context_parallel` C > 1: then runs of C consecutive ranks share each packed row
 (`training/context_parallel.py`), get the same shard of the batch (`dp_rank` = rank // C), and
 their gradients are summed with everyone's by FSDP2's reduction over all ranks.
 
@@ -18,15 +18,15 @@ norms and the lm_head see no padding, and attention stays within each sequence
 (`training/attention.py`). Otherwise rows are right-padded and the budget counts padded tokens.
 The loss sees the same `[b, T]` batch either way.
 
-Numerics. Master weights and optimizer state are float32; `dtype="bfloat16"` runs the
+Numerics. Master weights and optimizer state are float32; `trainer.dtype` bfloat16 runs the
 forward under autocast. Token logprobs and entropy are computed in float32 from the
 logits of the completion tokens only, `logprob_chunk_tokens` rows at a time; with grad
 and more rows than one chunk each chunk is recomputed in backward, so the `[tokens,
 vocab]` logits never exist for the whole micro-batch. `temperature` divides the logits,
 matching the sampler that produced pi_behave. On CUDA with Triton the logprob and entropy
-come from one pass over the logits each way (`ops/logprob_triton.py`; `logprob_kernel`
+come from one pass over the logits each way (`ops/logprob_triton.py`; `trainer.logprob_kernel`
 chooses, `ops/logprobs.py`), and packed attention runs this project's Triton kernels
-(`ops/attention_triton.py`) or FlashAttention-2 varlen (`attention_kernel` chooses,
+(`ops/attention_triton.py`) or FlashAttention-2 varlen (`trainer.attention_kernel` chooses,
 `varlen.pick_attention_kernel`).
 
 Weights out, checkpoints and LoRA: `training/fsdp/weights.py` (the `FSDPWeights` methods).
@@ -35,17 +35,15 @@ Weights out, checkpoints and LoRA: `training/fsdp/weights.py` (the `FSDPWeights`
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
 
 import structlog
 import torch
 import torch.distributed as dist
 
 from areal_async import lora as lora_lib
-from areal_async.lora import LoraConfig
-from areal_async.ops import logprobs, varlen
+from areal_async.config_trainer import TrainerConfig
+from areal_async.ops import varlen
 from areal_async.training import attention  # noqa: F401  (registers the packed-row attention implementations)
 from areal_async.training import context_parallel as context_parallel_lib
 from areal_async.training.fsdp.model import TokenLogprobModel
@@ -56,6 +54,7 @@ from areal_async.training.setup import (
     init_distributed,
     lr_factor,
     make_optimizer,
+    place,
     resolve_train_dtype,
 )
 
@@ -77,40 +76,22 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
     def __init__(
         self,
         model_path: str | os.PathLike[str],
+        trainer: TrainerConfig | None = None,
         *,
-        dtype: Literal["auto", "float32", "bfloat16"] = "float32",
-        lr: float = 1e-5,
-        betas: tuple[float, float] | Sequence[float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        eps: float = 1e-8,
-        warmup_steps: int = 0,
-        total_steps: int = 1,
-        lr_schedule: Literal["constant", "cosine"] = "constant",
-        min_lr_ratio: float = 0.0,
-        grad_clip: float = 1.0,
-        micro_batch_tokens: int = 4096,
-        device: Literal["cpu", "cuda"] | str = "cpu",
-        gradient_checkpointing: bool = False,
         seed: int = 0,
         temperature: float = 1.0,
         logprob_chunk_tokens: int = 4096,
-        compile: bool = False,
         packed: bool | None = None,
-        logprob_kernel: Literal["auto", "triton", "torch"] = "auto",
-        attention_kernel: Literal["auto", "flash", "triton"] = "auto",
-        lora: LoraConfig | None = None,
-        context_parallel: int = 1,
     ) -> None:
+        """`trainer`: the run file's trainer section (None: its defaults); this backend reads its
+        dtype, device, micro-batch budget, optimizer and schedule, kernels, gradient checkpointing,
+        compile, `lora` and `context_parallel`. `seed` is the run's, `temperature` the rollouts'
+        sampling temperature (pi_behave's). Not run-file keys: `logprob_chunk_tokens`, logits rows
+        per logprob chunk; `packed`, None for packed rows where varlen attention runs."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        if dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
-        if lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
-        if micro_batch_tokens < 1 or logprob_chunk_tokens < 1:
-            raise ValueError("micro_batch_tokens and logprob_chunk_tokens must be >= 1")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        trainer = trainer or TrainerConfig()
+        context_parallel, lora = trainer.context_parallel, trainer.lora
         self.model_path = Path(model_path)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -127,24 +108,18 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
                 context_parallel
             )
             packed = True
-        if device == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device(device)
-        self.autocast_dtype = (
-            torch.bfloat16 if resolve_train_dtype(dtype, self.device) == "bfloat16" else None
-        )
-        logprob_fn = logprobs.pick_logprob_fn(self.device, compile, kernel=logprob_kernel)  # checks it first
-        self.micro_batch_tokens = micro_batch_tokens
+        placement = place(trainer, temperature=temperature, logprob_chunk_tokens=logprob_chunk_tokens)
+        self.device, self.autocast_dtype = placement.device, placement.autocast_dtype
+        self.micro_batch_tokens = trainer.micro_batch_tokens
         self.packed = varlen.varlen_available(self.device, self.autocast_dtype) if packed is None else packed
         """Micro-batches as one packed row (no padding) instead of padded rows."""
         hf_config = AutoConfig.from_pretrained(self.model_path)  # read once, handed to the model below
         head_dim = (
             getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         )
-        self.attention_kernel = varlen.pick_attention_kernel(self.device, attention_kernel, head_dim)
+        self.attention_kernel = varlen.pick_attention_kernel(self.device, trainer.attention_kernel, head_dim)
         """CUDA kernel of packed attention: `flash` (FlashAttention-2 varlen) or `triton`."""
-        self.grad_clip = grad_clip
+        self.grad_clip = trainer.optimizer.grad_clip
         self.version = 0
         """Policy version: optimizer steps taken since the initial weights (version 0)."""
 
@@ -158,7 +133,7 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
         self.config = hf.config
         pad = getattr(hf.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if isinstance(pad, int) and 0 <= pad < hf.config.vocab_size else 0
-        if gradient_checkpointing:
+        if trainer.gradient_checkpointing:
             enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5.x
             if enable is not None:
                 enable({"use_reentrant": False})
@@ -170,7 +145,7 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
             adapters = lora_lib.inject(hf, lora, base_dtype=self.autocast_dtype or torch.float32)
             log.info("lora adapters added", rank=lora.rank, alpha=lora.alpha, params=adapters)
         decoder_layers = hf.get_decoder().layers
-        if compile:
+        if trainer.compile:
             # Compile blocks, then shard the compiled wrappers (FSDP hooks stay outside the graphs);
             # the torch.distributed.checkpoint helpers strip the `_orig_mod` prefix from names.
             for i, layer in enumerate(decoder_layers):
@@ -180,7 +155,7 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
             hf,
             temperature=temperature,
             chunk_tokens=logprob_chunk_tokens,
-            logprob_fn=logprob_fn,
+            logprob_fn=placement.logprob_fn,
             context_group=context_group,
             pad_token_id=self.pad_token_id,
         )
@@ -202,16 +177,7 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
             self.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(
-            self.params,
-            self.device,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            total_steps=total_steps,
-            lr_schedule=lr_schedule,
-            min_lr_ratio=min_lr_ratio,
+            self.params, self.device, trainer.optimizer, total_steps=trainer.total_steps
         )
         log.info(
             "train engine ready",
@@ -220,7 +186,7 @@ class FSDPTrainEngine(TrainLoop, FSDPWeights):
             world_size=self.world_size,
             context_parallel=context_parallel,
             device=str(self.device),
-            dtype=dtype,
+            dtype=trainer.dtype,
             autocast=str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else None,
             fsdp=self.distributed,
         )

@@ -9,9 +9,9 @@ so micro-batches are always packed rows (THD) and no compute is spent on padding
 The HF weights load through `megatron_layout` (name and layout mapping, tensor-parallel shards).
 
 Process model. megatron-core's `parallel_state` splits the trainer's ranks into tensor-parallel
-groups of `tensor_parallel` ranks, context-parallel groups of `context_parallel` ranks
+groups of `trainer.megatron.tensor_parallel` ranks, context-parallel groups of `trainer.context_parallel` ranks
 (`training/context_parallel.py`: each holds a part of every packed row), pipelines of
-`pipeline_parallel` stages (`training/megatron/pipeline.py`: stages, schedule, stage-local names)
+`trainer.megatron.pipeline_parallel` stages (`training/megatron/pipeline.py`: stages, schedule, stage-local names)
 and data-parallel groups across them. Ranks of a tensor-parallel or context-parallel group or of a
 pipeline get the same shard of the batch (`dp_rank`); the learner scatters over `dp_size`. Under
 torchrun the process group is the trainer's (gloo on CPU, NCCL on CUDA); without torchrun the
@@ -20,8 +20,11 @@ data-parallel x context-parallel ranks (norms whose tensor-parallel copies see o
 tokens over the tensor-parallel group: `training/megatron/sequence_parallel.py`), then clipped by the norm
 over all shards (each tensor-parallel slice and pipeline stage counted once).
 
-Numerics as FSDP2's: float32 master weights and optimizer state, bf16 autocast with `dtype` bfloat16
-or auto, on CUDA; on CPU the backend trains in float32 (`auto` resolves to it), because megatron-core's
+Settings: the run file's trainer section, set up as FSDP2's (`training/setup.py`: device, dtype,
+logprob kernel, AdamW and its schedule from `trainer.optimizer`).
+
+Numerics as FSDP2's: float32 master weights and optimizer state, bf16 autocast with `trainer.dtype`
+bfloat16 or auto, on CUDA; on CPU the backend trains in float32 (`auto` resolves to it), because megatron-core's
 linear layers re-enter autocast in backward on CUDA only.
 
 Same contracts as the FSDP2 engine: the training loop, loss and metrics (`training/loop.py`);
@@ -41,15 +44,15 @@ import warnings
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_async.config_trainer import MegatronConfig
-from areal_async.ops import logprobs, varlen
+from areal_async.config_trainer import TrainerConfig
+from areal_async.ops import varlen
 from areal_async.training.hf_writer import HFWriter
 from areal_async.training.loop import TrainLoop
 from areal_async.training.megatron import checkpoint as megatron_checkpoint
@@ -64,7 +67,7 @@ from areal_async.training.megatron.model import (
 )
 from areal_async.training.megatron.pipeline import StageNames, Stages, gather_to_first
 from areal_async.training.megatron.sequence_parallel import summed_over_tensor_parallel, use_sequence_parallel
-from areal_async.training.setup import init_distributed, make_optimizer, resolve_train_dtype
+from areal_async.training.setup import init_distributed, make_optimizer, place
 
 log = structlog.get_logger(__name__)
 
@@ -132,9 +135,9 @@ def _init_parallel(
     sizes = (tensor_parallel, pipeline_parallel, context_parallel)
     if world_size % (tensor_parallel * pipeline_parallel * context_parallel):
         raise ValueError(
-            f"trainer.megatron.tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} x "
-            f"context_parallel={context_parallel} does not divide the trainer's {world_size} ranks "
-            "(trainer.num_ranks x nodes); choose sizes whose product divides it"
+            f"trainer.megatron.tensor_parallel={tensor_parallel} x trainer.megatron.pipeline_parallel="
+            f"{pipeline_parallel} x trainer.context_parallel={context_parallel} does not divide the "
+            f"trainer's {world_size} ranks (trainer.num_ranks x nodes); choose sizes whose product divides it"
         )
     if parallel_state.model_parallel_is_initialized():
         if (
@@ -157,39 +160,25 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
     def __init__(
         self,
         model_path: str | os.PathLike[str],
+        trainer: TrainerConfig | None = None,
         *,
-        dtype: Literal["auto", "float32", "bfloat16"] = "float32",
-        lr: float = 1e-5,
-        betas: tuple[float, float] | list[float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        eps: float = 1e-8,
-        warmup_steps: int = 0,
-        total_steps: int = 1,
-        lr_schedule: Literal["constant", "cosine"] = "constant",
-        min_lr_ratio: float = 0.0,
-        grad_clip: float = 1.0,
-        micro_batch_tokens: int = 4096,
-        device: str = "cpu",
-        gradient_checkpointing: bool = False,
         seed: int = 0,
         temperature: float = 1.0,
         logprob_chunk_tokens: int = 4096,
-        compile: bool = False,
-        logprob_kernel: Literal["auto", "triton", "torch"] = "auto",
-        attention_kernel: Literal["auto", "flash", "triton"] = "auto",
-        megatron: MegatronConfig | None = None,
     ) -> None:
+        """`trainer`: the run file's trainer section (None: its defaults), as the FSDP2 engine takes it;
+        this backend reads its dtype, device, micro-batch budget, optimizer and schedule, kernels,
+        gradient checkpointing, compile, `context_parallel` and `megatron` (tensor and pipeline
+        parallelism). `seed`, `temperature`, `logprob_chunk_tokens`: as FSDP2's."""
         from transformers import AutoConfig
 
-        if dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
-        if temperature <= 0 or micro_batch_tokens < 1 or logprob_chunk_tokens < 1:
-            raise ValueError("temperature must be > 0 and the token budgets >= 1")
+        trainer = trainer or TrainerConfig()
+        device = trainer.device
         self.model_path = Path(model_path)
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.config = hf_config
         self.shape = MegatronShape.from_hf_config(hf_config)
-        parallel = megatron or MegatronConfig()  # checks its values
+        parallel = trainer.megatron
         tensor_parallel = parallel.tensor_parallel
         self.shape.check_parallel(
             tensor_parallel=tensor_parallel,
@@ -197,14 +186,12 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
             virtual_pipeline=parallel.virtual_pipeline,
         )
 
-        if device != "cuda":
-            # megatron-core's linear layers re-enter autocast in backward on CUDA only.
-            if dtype == "bfloat16":
-                raise ValueError(
-                    "trainer.dtype=bfloat16 with trainer.backend=megatron needs trainer.device=cuda "
-                    "(megatron-core's layers autocast on CUDA only); set trainer.dtype: auto or float32"
-                )
-            dtype = "float32"
+        # megatron-core's linear layers re-enter autocast in backward on CUDA only.
+        if device != "cuda" and trainer.dtype == "bfloat16":
+            raise ValueError(
+                "trainer.dtype=bfloat16 with trainer.backend=megatron needs trainer.device=cuda "
+                "(megatron-core's layers autocast on CUDA only); set trainer.dtype: auto or float32"
+            )
         _import_megatron_core()
         _join_group(device)
         from megatron.core import parallel_state
@@ -212,9 +199,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
 
         self.distributed = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        _init_parallel(
-            tensor_parallel, parallel.pipeline_parallel, parallel.context_parallel, self.world_size
-        )
+        _init_parallel(tensor_parallel, parallel.pipeline_parallel, trainer.context_parallel, self.world_size)
         self.stages = Stages.current(parallel.virtual_pipeline)
         self.names = StageNames(self.stages, self.shape.num_layers, tied=self.shape.tied)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -228,22 +213,22 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.grad_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         """Ranks whose gradients are summed: data-parallel x context-parallel."""
-        if device == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device(device)
-        self.autocast_dtype = (
-            torch.bfloat16 if resolve_train_dtype(dtype, self.device) == "bfloat16" else None
+        placement = place(
+            trainer,
+            temperature=temperature,
+            logprob_chunk_tokens=logprob_chunk_tokens,
+            dtype=None if device == "cuda" else "float32",
         )
-        logprob_fn = logprobs.pick_logprob_fn(self.device, compile, kernel=logprob_kernel)
+        self.device, self.autocast_dtype = placement.device, placement.autocast_dtype
+        logprob_fn = placement.logprob_fn
         if tensor_parallel > 1:
             logprob_fn = partial(vocab_parallel_logprobs, rows_gathered=self.sequence_parallel)
-        self.micro_batch_tokens = micro_batch_tokens
+        self.micro_batch_tokens = trainer.micro_batch_tokens
         self.packed = True
         self.attention_kernel = varlen.pick_attention_kernel(
-            self.device, attention_kernel, self.shape.head_dim
+            self.device, trainer.attention_kernel, self.shape.head_dim
         )
-        self.grad_clip = grad_clip
+        self.grad_clip = trainer.optimizer.grad_clip
         self.version = 0
         self.lora = None
         pad = getattr(hf_config, "pad_token_id", None)
@@ -255,9 +240,9 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         chunks = [self._build_gpt(chunk) for chunk in range(self.stages.chunks)]
         self._load_hf_weights(chunks)
         for layer in (layer for gpt in chunks for layer in gpt.decoder.layers):
-            if gradient_checkpointing:
+            if trainer.gradient_checkpointing:
                 _recompute_in_backward(layer)
-            if compile:  # in place: parameter names stay megatron-core's
+            if trainer.compile:  # in place: parameter names stay megatron-core's
                 layer.compile()
         self.model = MegatronLogprobModel(
             chunks,
@@ -279,16 +264,7 @@ class MegatronTrainEngine(TrainLoop, HFWriter):
         """Local names (`StageNames`) -> this rank's (tensor-parallel slice of the) parameter."""
         self.params = list(self.named.values())
         self.optimizer, self.scheduler = make_optimizer(
-            self.params,
-            self.device,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            total_steps=total_steps,
-            lr_schedule=lr_schedule,
-            min_lr_ratio=min_lr_ratio,
+            self.params, self.device, trainer.optimizer, total_steps=trainer.total_steps
         )
         log.info(
             "megatron train engine ready",
