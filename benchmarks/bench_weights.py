@@ -356,8 +356,11 @@ def main() -> None:
     )
     harness.add_output_args(parser)
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_weights --device cuda needs CUDA; use --device cpu for disk, tmpfs and lora")
+    engine_transports = set(args.transports) - {"bus"}  # bus runs on the CPU, whatever --device says
+    if args.device == "cuda" and not torch.cuda.is_available() and engine_transports:
+        raise SystemExit(
+            "bench_weights --device cuda needs CUDA; use --device cpu for disk, tmpfs, lora and bus"
+        )
     if args.device == "cpu" and "cuda_ipc" in args.transports:
         raise SystemExit("--transports cuda_ipc needs --device cuda; on the CPU choose disk, tmpfs or lora")
     from areal_async import lora
@@ -367,7 +370,7 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     rows = bus_rows(args) if "bus" in args.transports else []
-    for shape in args.shapes if set(args.transports) - {"bus"} else []:
+    for shape in args.shapes if engine_transports else []:
         inbox, outbox = ctx.Queue(), ctx.Queue()
         engine = ctx.Process(target=_engine, args=(shape, args.device, inbox, outbox))
         engine.start()
