@@ -4,11 +4,13 @@ The cluster members run the shipped configs with ``leafnodes.conf`` included; th
 ``leaf.conf`` (no JetStream of its own; ``$JS.API`` mapped to the cluster's domain). The trainer
 writes versions through a member, a generation worker that reaches only the leaf provisions the
 run, reads every version bit for bit, takes and acks a prompt task, and is refused a write into
-the bucket.
+the bucket; both sides go on when the node leading the bucket's stream is killed.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,7 +24,14 @@ from bus import Bus, BusPermissionError, ConnectOptions, EmbeddedServer, connect
 from bus import events as ev
 from bus.embedded import find_nats_server
 from bus.subjects import Streams
-from tests.helpers.ops_helpers import cluster_configs, free_port, password_env, role_passwords, start_together
+from tests.helpers.ops_helpers import (
+    cluster_configs,
+    free_port,
+    monitor,
+    password_env,
+    role_passwords,
+    start_together,
+)
 from tests.integration.test_ops_cluster import eventually
 from tests.integration.test_weight_bus import run_config, versions
 from workers.weight_bus import BusWeightReader, BusWeightWriter
@@ -126,6 +135,17 @@ async def test_an_engine_behind_a_leaf_node_reads_the_weights_bucket_and_may_not
                 break
         info = await trainer.js.stream_info(trainer.subjects.stream(Streams.PROMPT).name)
         assert info.state.messages == 0, "the ack through the leaf did not reach the work queue"
+
+        # SIGKILL of the node leading the bucket's stream: the trainer's put and the engine's
+        # read wait out the election and go on through the other members.
+        leader = (await trainer.js.stream_info(trainer.subjects.weights_stream)).cluster.leader
+        victim = next(s for s in servers if monitor(s, "/varz")["server_name"] == leader)
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        after = versions(5)[4]
+        written = await writer.write(4, dict(after))
+        got, digest = await reader.fetch(4)
+        assert digest == written["digest"] and all(torch.equal(got[k], t) for k, t in after.items())
     finally:
         for bus in (trainer, controller, generation):
             await bus.close()
