@@ -340,27 +340,41 @@ class WeightSyncConfig:
     ``/dev/shm/areal-{name}`` keeps a version's write off the disk (538 MB: 0.13-0.18 s there, 1.3 s
     to an ext4 run dir, measured); it holds ``keep_versions`` + 1 or 2 versions in RAM."""
 
-    transport: Literal["disk", "gloo", "nccl", "cuda_ipc"] = "disk"
+    transport: Literal["disk", "gloo", "nccl", "cuda_ipc", "bus"] = "disk"
     """How a version reaches the engines. ``disk``: each engine reads the version's directory.
     In memory, beside the disk copy (still written, off the step path, for late joiners and as
     the fallback): ``cuda_ipc`` (trainer and local engines on GPUs of one host: the trainer
     exports one buffer, engines copy from it), ``nccl`` (local engines on other GPUs: bucketed
     broadcast from the trainer), ``gloo`` (the same over TCP, for CPU engines). Remote engines
-    (vLLM, SGLang) read the disk copy."""
+    (vLLM, SGLang) read the disk copy. ``bus``: through the run's JetStream object store, as
+    anchors and deltas (local engines; every engine, late joiners included, reads it there; the
+    disk copy is the fallback where engines can read it)."""
+
+    anchor_every: int = 8
+    """``bus``: a full version (anchor) every this many versions; the ones between are deltas
+    against their predecessor. An engine that joins or restarts reads the newest anchor and the
+    deltas after it."""
+
+    chunk_kb: int = 1024
+    """``bus``: size of an object-store chunk (one message), in KiB; must fit the server's
+    max_payload with 4 KiB to spare."""
 
     bucket_mb: int = 512
     """Bucket size of a group broadcast (``gloo``/``nccl``)."""
 
     transfer_timeout_s: float = 30.0
     """Longest in-memory transfer, group setup included; an engine past it (a member died, the
-    trainer restarted) loads the disk copy, serving its previous version meanwhile."""
+    trainer restarted) loads the disk copy, serving its previous version meanwhile. ``bus``: the
+    longest read of one object of the weights bucket."""
 
     host: str | None = None
     """Address the trainer's weight-transfer store listens on and announces (None: this host's
     name resolved, else 127.0.0.1); engines on other hosts must reach it."""
 
     def __post_init__(self) -> None:
-        positive(self, "timeout_s", "keep_versions", "bucket_mb", "transfer_timeout_s")
+        positive(
+            self, "timeout_s", "keep_versions", "bucket_mb", "transfer_timeout_s", "anchor_every", "chunk_kb"
+        )
         if self.dir is not None:
             try:
                 resolved = self.dir.format(name="run")
@@ -486,6 +500,20 @@ class RunConfig:
                 f"weight_sync.transport {transport!r} moves weights between GPUs, but trainer.device is "
                 f"{self.trainer.device!r}; use transport gloo (CPU) or disk, or train on cuda"
             )
+        if transport == "bus" and self.rollout.engine != "local":
+            raise ValueError(
+                f"weight_sync.transport 'bus' serves local engines only, but rollout.engine is "
+                f"{self.rollout.engine!r} (its servers load weights from disk or a process group); "
+                "use transport disk, gloo or nccl with remote engines, or rollout.engine: local"
+            )
+        if transport == "bus" and self.bus.url == "embedded":
+            room = self.bus.max_payload_mb * 2**20 - 4096
+            if self.weight_sync.chunk_kb * 1024 > room:
+                raise ValueError(
+                    f"weight_sync.chunk_kb ({self.weight_sync.chunk_kb}) does not fit the embedded "
+                    f"server's bus.max_payload_mb ({self.bus.max_payload_mb}) with 4 KiB to spare; "
+                    f"lower chunk_kb to at most {int(room // 1024)} or raise max_payload_mb"
+                )
         if self.trainer.lora is not None and transport != "disk":
             raise ValueError(
                 f"weight_sync.transport {transport!r} does not carry LoRA adapters; with trainer.lora each "

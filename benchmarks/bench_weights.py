@@ -20,11 +20,25 @@ values (the ``weights.published`` -> ``weights.loaded`` path, without the bus's 
   low-rank hooks, ``engines/local/lora_serving.py``), and ``merge_s`` is the time from then until
   the merged weights replace the hooks.
 
+- ``bus``: the version goes through a weights bucket of a local nats-server (``workers/weight_bus.py``)
+  on a real training trajectory, not random weights: the random-init model of the shape, trained in
+  float32 by AdamW at each of ``--lrs`` (``--versions`` steps on random tokens), every version
+  snapshotted in each of ``--dtypes``. Version 0 is an anchor, the following ones deltas. Reported
+  per (dtype, lr): bytes stored per version (``anchor_mb``, ``delta_mb``, ``delta_pct`` of the
+  version), ``write_s`` (the trainer's encode + digest + put, before ``weights.published``),
+  ``published_to_loaded_s`` (the engine's fetch, decode, digest check and copy into its
+  parameters), the encoder's and decoder's CPU seconds per delta (``encode_cpu_s``,
+  ``decode_cpu_s``) and ``join_s``, a fresh reader's rebuild of the last version from the
+  anchor and every delta after it. Writer and reader share one process and take turns.
+  ``last_step`` compares the codec's delta of the last step with XOR and the plain difference
+  (byte planes, zstd) and with changed indices + values, in % of the version.
+
 ``--device cpu`` runs the engine on one thread (the generation worker's one core in the CPU
 configs) for ``disk``, ``tmpfs`` and ``lora``; ``135M`` is the SmolLM2-135M body (Qwen2 biases).
 
     python -m benchmarks.bench_weights                 # CUDA: 0.5B and 1.5B, three versions each
     python -m benchmarks.bench_weights --device cpu --shapes 135M --transports lora tmpfs --versions 5
+    python -m benchmarks.bench_weights --device cpu --shapes 135M --transports bus --versions 3
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio.from_thread
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -56,6 +71,13 @@ METRICS: dict[str, harness.Direction] = {
     "read_s": "lower",
     "apply_s": "lower",
     "merge_s": "lower",
+    "write_s": "lower",
+    "anchor_mb": "lower",
+    "delta_mb": "lower",
+    "delta_pct": "lower",
+    "encode_cpu_s": "lower",
+    "decode_cpu_s": "lower",
+    "join_s": "lower",
 }
 
 
@@ -177,6 +199,145 @@ def _cpu_engine(shape: str, portal: Any, inbox: Any, outbox: Any) -> None:
     portal.call(engine.aclose)
 
 
+def training_trajectory(shape: str, lr: float, steps: int, dtypes: list[str]) -> Any:
+    """Yields ``{dtype: snapshot}`` for the random-init model of ``shape`` and after each of
+    ``steps`` AdamW steps at ``lr`` (next-token loss on random token batches), trained in float32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    h, inter, layers, heads, kv, vocab = SHAPES[shape]
+    config = Qwen2Config(
+        hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for step in range(steps + 1):
+        if step:
+            ids = torch.randint(0, vocab, (2, 64))
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            yield {
+                d: {k: v.to(getattr(torch, d)).clone() for k, v in model.state_dict().items()} for d in dtypes
+            }
+
+
+def codec_alternatives(new: np.ndarray, base: np.ndarray, word_bytes: int) -> dict[str, float]:
+    """One step's delta in the codec's encoding and in the ones it was chosen against, in % of
+    the version (zstd level 1 each): XOR and plain difference of the bit patterns in byte planes,
+    changed indices + values; and the share of words the step changed."""
+    import zstandard
+
+    from areal_async import weight_codec as codec
+
+    unsigned = np.dtype(f"<u{word_bytes}")
+    words, base_words = new.view(unsigned), base.view(unsigned)
+
+    def planes(x: np.ndarray) -> bytes:
+        return x.view(np.uint8).reshape(-1, word_bytes).T.tobytes()
+
+    def size(data: bytes) -> int:
+        return len(zstandard.ZstdCompressor(level=codec.ZSTD_LEVEL).compress(data))
+
+    changed = np.flatnonzero(words != base_words)
+    pct = 100 / new.size
+    return {
+        "changed_words_pct": round(100 * changed.size / words.size, 2),
+        "zigzag_planes_pct": round(pct * len(codec.encode_delta(new, base, word_bytes)), 2),
+        "xor_planes_pct": round(pct * size(planes(words ^ base_words)), 2),
+        "difference_planes_pct": round(pct * size(planes(words - base_words)), 2),
+        "indices_values_pct": round(
+            pct * (size(changed.astype(np.uint32).tobytes()) + size(words[changed].tobytes())), 2
+        ),
+    }
+
+
+async def _bus_case(shape: str, lr: float, args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
+    """One trajectory through a weights bucket per dtype; the rows of the module docstring."""
+    from areal_async.config import RunConfig, WeightSyncConfig
+    from bus import ConnectOptions, connect
+    from workers.weight_bus import BusWeightReader, BusWeightWriter, flatten
+
+    sides = {}
+    for dtype in args.dtypes:
+        run = f"bench{dtype}{len(sides)}{int(time.time())}"
+        cfg = RunConfig(
+            name=run, weight_sync=WeightSyncConfig(transport="bus", anchor_every=args.versions + 1)
+        )
+        writer_bus = await connect(ConnectOptions(url=url, name="trainer"), run)
+        reader_bus = await connect(ConnectOptions(url=url, name="generation"), run)
+        await writer_bus.provision(weights_bucket=True)
+        sides[dtype] = (cfg, BusWeightWriter(cfg, writer_bus), BusWeightReader(cfg, reader_bus), [])
+    params: dict[str, dict[str, torch.Tensor]] = {}
+    alternatives: dict[str, dict[str, float]] = {}
+    for version, snapshots in enumerate(training_trajectory(shape, lr, args.versions, args.dtypes)):
+        for dtype, snapshot in snapshots.items():
+            cfg, writer, reader, seen = sides[dtype]
+            if dtype not in params:  # the engine's parameters
+                params[dtype] = {k: torch.empty_like(v) for k, v in snapshot.items()}
+            if version == args.versions and writer.held is not None:  # the last step, untimed
+                flat, _, word_bytes = flatten(snapshot)
+                alternatives[dtype] = codec_alternatives(flat, writer.held.flat, word_bytes)
+            cpu, t0 = time.process_time(), time.perf_counter()
+            written = await writer.write(version, snapshot)
+            encode_cpu, t1 = time.process_time() - cpu, time.perf_counter()
+            cpu = time.process_time()
+            tensors, digest = await reader.fetch(version)
+            for name, tensor in tensors.items():
+                params[dtype][name].copy_(tensor)
+            decode_cpu, t2 = time.process_time() - cpu, time.perf_counter()
+            assert digest == written["digest"], "the engine rebuilt another version"
+            seen.append({**written, "write_s": t1 - t0, "loaded_s": t2 - t1, "encode_cpu": encode_cpu,
+                         "decode_cpu": decode_cpu})  # fmt: skip
+    rows = []
+    for dtype, (cfg, writer, _, seen) in sides.items():
+        t0 = time.perf_counter()
+        _, digest = await BusWeightReader(cfg, writer.bus).fetch(args.versions)
+        join_s = time.perf_counter() - t0
+        assert digest == seen[-1]["digest"]
+        anchor, deltas = seen[0], seen[1:]
+        med = {key: statistics.median(d[key] for d in deltas) for key in deltas[0] if key != "digest"}
+        rows.append(
+            {
+                "case": f"{shape} bus {dtype} lr={lr:g}",
+                "shape": shape,
+                "transport": "bus",
+                "dtype": dtype,
+                "lr": lr,
+                "gb": round(anchor["bytes"] / 1e9, 3),
+                "anchor_mb": round(anchor["anchor_bytes"] / 1e6, 2),
+                "delta_mb": round(med["delta_bytes"] / 1e6, 2),
+                "delta_pct": round(100 * med["delta_bytes"] / anchor["bytes"], 2),
+                "write_s": round(med["write_s"], 4),
+                "published_to_loaded_s": round(med["loaded_s"], 4),
+                "encode_cpu_s": round(med["encode_cpu"], 4),
+                "decode_cpu_s": round(med["decode_cpu"], 4),
+                "anchor_write_s": round(anchor["write_s"], 4),
+                "anchor_loaded_s": round(anchor["loaded_s"], 4),
+                "join_s": round(join_s, 4),
+                "all_delta_pct": [round(100 * d["delta_bytes"] / anchor["bytes"], 2) for d in deltas],
+                "last_step": alternatives.get(dtype, {}),
+            }
+        )
+        print(rows[-1], flush=True)
+        await writer.bus.close()
+    return rows
+
+
+def bus_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``bus`` rows: a local nats-server (8 MiB max_payload, as the embedded one) per call."""
+    from bus import EmbeddedServer
+
+    rows = []
+    with tempfile.TemporaryDirectory() as store, EmbeddedServer(store, max_payload=8 * 2**20) as server:
+        for shape in args.shapes:
+            for lr in args.lrs:
+                rows += anyio.run(_bus_case, shape, lr, args, str(server.url))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -189,10 +350,17 @@ def main() -> None:
         "--device", choices=["cuda", "cpu"], default="cuda", help="where the engine's parameters live"
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the lora transport's adapters")
+    parser.add_argument("--lrs", nargs="+", type=float, default=[1e-5, 1e-6], help="bus: learning rates")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["bfloat16", "float32"], help="bus: dtypes each version is sent in"
+    )
     harness.add_output_args(parser)
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_weights --device cuda needs CUDA; use --device cpu for disk, tmpfs and lora")
+    engine_transports = set(args.transports) - {"bus"}  # bus runs on the CPU, whatever --device says
+    if args.device == "cuda" and not torch.cuda.is_available() and engine_transports:
+        raise SystemExit(
+            "bench_weights --device cuda needs CUDA; use --device cpu for disk, tmpfs, lora and bus"
+        )
     if args.device == "cpu" and "cuda_ipc" in args.transports:
         raise SystemExit("--transports cuda_ipc needs --device cuda; on the CPU choose disk, tmpfs or lora")
     from areal_async import lora
@@ -201,13 +369,13 @@ def main() -> None:
     from workers.weight_transfer import WeightSender
 
     ctx = mp.get_context("spawn")
-    rows = []
-    for shape in args.shapes:
+    rows = bus_rows(args) if "bus" in args.transports else []
+    for shape in args.shapes if engine_transports else []:
         inbox, outbox = ctx.Queue(), ctx.Queue()
         engine = ctx.Process(target=_engine, args=(shape, args.device, inbox, outbox))
         engine.start()
         assert outbox.get(timeout=300) == "ready"
-        for transport in args.transports:
+        for transport in (t for t in args.transports if t != "bus"):
             totals, prepares, parts, nbytes = [], [], [], 0
             shm = transport in ("tmpfs", "lora")
             root = Path(tempfile.mkdtemp(dir="/dev/shm" if shm else args.disk_dir or None))
@@ -262,8 +430,15 @@ def main() -> None:
         inbox.put(None)
         engine.join(60)
     harness.print_table(
-        rows, ["case", "gb", "published_to_loaded_s", "prepare_s", "read_s", "apply_s", "merge_s"]
+        [r for r in rows if r["transport"] != "bus"],
+        ["case", "gb", "published_to_loaded_s", "prepare_s", "read_s", "apply_s", "merge_s"],
     )
+    if "bus" in args.transports:
+        harness.print_table(
+            [r for r in rows if r["transport"] == "bus"],
+            ["case", "gb", "anchor_mb", "delta_mb", "delta_pct", "write_s", "published_to_loaded_s",
+             "encode_cpu_s", "decode_cpu_s", "join_s"],
+        )  # fmt: skip
     result = harness.make_result(
         "weights",
         args,
@@ -274,7 +449,10 @@ def main() -> None:
         + ("on one GPU. " if args.device == "cuda" else "(a LocalEngine on one thread). ")
         + "disk/tmpfs/lora include the fsynced write; cuda_ipc includes pack, digest, export, map, digest, copy; "
         "lora: rank-r adapters of every linear module, merged into the engine's weights before they are "
-        "served on CUDA, served through low-rank hooks until the merge lands on the CPU (merge_s).",
+        "served on CUDA, served through low-rank hooks until the merge lands on the CPU (merge_s). "
+        "bus: versions of an AdamW trajectory (random-init model, random tokens) through a weights bucket "
+        "of a local nats-server, writer and reader in one process taking turns; the engine's part is "
+        "fetch + decode + sha256 check + copy into preallocated parameters.",
     )
     harness.emit(result, args.out, args.save_baseline)
 

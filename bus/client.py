@@ -49,6 +49,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -135,6 +136,11 @@ class Bus:
         return f"Bus(run={self.run!r}, url={self.nc.connected_url.geturl() if self.nc.connected_url else None!r})"
 
     provision = provision_run  # bus.provision: streams, consumers, KV buckets
+
+    def refusable(self, subject: str) -> AbstractContextManager[None]:
+        """A block whose JetStream request to ``subject`` raises ``BusPermissionError`` at once
+        when the server refuses it (for requests made on ``js`` directly)."""
+        return self._refusals.raises(subject)
 
     def permission_denied(self, subject: str) -> None:
         """The server refused ``subject`` (lowercased): fail the requests waiting on it now."""

@@ -7,7 +7,7 @@ electing its meta leader, or busy creating the replicas another worker asked for
 for up to ``options.leader_wait_s``, then ``StreamUnavailable``.
 
 What is created comes from ``bus.subjects`` (``Subjects.streams``, ``state_bucket``,
-``workers_bucket``): work-queue streams discard new messages when full (work is never dropped,
+``workers_bucket``, and ``weights_bucket`` when asked for): work-queue streams discard new messages when full (work is never dropped,
 ``publish`` raises StreamFull), limits streams drop the oldest.
 """
 
@@ -64,6 +64,7 @@ async def provision_run(
     deadletter_max_msgs: int = 100_000,
     heartbeat_ttl: float = 15.0,
     state_history: int = 16,
+    weights_bucket: bool = False,
 ) -> None:
     """Create or update every stream, durable consumer and KV bucket of the run.
 
@@ -82,6 +83,8 @@ async def provision_run(
         deadletter_max_msgs: dead letters kept (oldest dropped beyond).
         heartbeat_ttl: seconds a key in the workers bucket lives without a refresh.
         state_history: revisions kept per key in the state bucket.
+        weights_bucket: also create the object store of the policy versions
+            (``weight_sync.transport: bus``).
     """
     t0 = time.monotonic()
     with_consumer = {spec.key for spec in bus.subjects.streams if spec.consumer}
@@ -150,6 +153,8 @@ async def provision_run(
             limit_marker_ttl=max(1.0, heartbeat_ttl),
         ),
     )
+    if weights_bucket:
+        await _ensure_object_store(bus, bus.subjects.weights_bucket, replicas)
     log.info(
         "bus provisioned",
         run=bus.run,
@@ -221,3 +226,19 @@ async def _ensure_bucket(bus: Provisioning, cfg: api.KeyValueConfig) -> None:
         ) from e
     bus.remember_bucket(cfg.bucket, await while_leaderless(bus, what, lambda: bus.js.key_value(cfg.bucket)))
     log.info("kv bucket updated", bucket=cfg.bucket)
+
+
+async def _ensure_object_store(bus: Provisioning, bucket: str, replicas: int) -> None:
+    """The object store ``bucket`` (stream ``OBJ_<bucket>``); one that exists is kept as it is."""
+    what = f"object store {bucket}"
+    try:
+        await while_leaderless(bus, what, lambda: bus.js.object_store(bucket))
+        return
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    config = api.ObjectStoreConfig(bucket=bucket, replicas=replicas, storage=api.StorageType.FILE)
+    try:
+        await while_leaderless(bus, what, lambda: bus.js.create_object_store(bucket, config))
+    except nats.js.errors.BadRequestError as e:
+        if e.err_code != ERR_STREAM_NAME_IN_USE:  # another worker created it first
+            raise ProvisionError(f"cannot create {what}: {e.description}") from e

@@ -11,7 +11,9 @@ Rendered two ways, from the same dicts:
   permissions pinned to ``run`` (its subjects, streams and buckets only).
 
 Patterns name the run's parts by placeholder: ``{run}`` the run name, ``{state}`` and
-``{workers}`` the KV buckets, ``{PROMPT}``... the streams (``bus.subjects``). Rendered for every
+``{workers}`` the KV buckets, ``{weights}`` the object store of the policy versions,
+``{domain}`` the cluster's JetStream domain (``JS_DOMAIN``),
+``{PROMPT}``... the streams (``bus.subjects``). Rendered for every
 run they all become ``*``. A denied publish is not delivered; the server reports it to the
 client (``Permissions Violation for Publish to ...``), which raises ``BusPermissionError``.
 """
@@ -33,12 +35,18 @@ Permissions = dict[str, Any]
 requester's inbox, whatever its subject)."""
 
 COMMON_DENY = [
-    "$JS.API.STREAM.DELETE.>",
-    "$JS.API.STREAM.PURGE.>",
-    "$JS.API.STREAM.MSG.DELETE.>",
-    "$JS.API.CONSUMER.DELETE.>",
+    *(
+        f"$JS.{domain}API.{call}.>"
+        for call in ("STREAM.DELETE", "STREAM.PURGE", "STREAM.MSG.DELETE", "CONSUMER.DELETE")
+        for domain in ("", "{domain}.")
+    )
 ]
-"""Deleting or purging streams and consumers is left to the ops user."""
+"""Deleting or purging streams and consumers is left to the ops user. ``$JS.<domain>.API`` is the
+same API as a leaf node's account maps it to the cluster's JetStream domain (scripts/nats/leaf.conf)."""
+
+JS_DOMAIN = "areal"
+"""The JetStream domain of the shipped cluster (``common.conf``), which ``leaf-users.conf`` maps
+``$JS.API.>`` to: ``{domain}`` in the patterns."""
 
 SUBSCRIBE = {"allow": ["_INBOX.>", "areal.>"]}
 """Replies and pull deliveries (``_INBOX``), and events."""
@@ -48,7 +56,7 @@ CONTROLLER: Permissions = {
         "allow": [
             "areal.{run}.prompt", "areal.{run}.metrics", "areal.{run}.run.ended", "areal.{run}.deadletter",
             "areal.{run}.heartbeat.controller.>",
-            "$JS.API.>", "$JS.FC.>",
+            "$JS.API.>", "$JS.{domain}.API.>", "$JS.FC.>",
             "$JS.ACK.{STEPS}.controller-steps.>", "$JS.ACK.{FAILED}.controller-failed.>",
             "$JS.ACK.{EVAL}.controller-eval.>",
             "$KV.{state}.controller", "$KV.{state}.run.ended", "$KV.{state}.issued.>",
@@ -64,10 +72,10 @@ GENERATION: Permissions = {
         "allow": [
             "areal.{run}.rollout.generated", "areal.{run}.weights.loaded", "areal.{run}.deadletter",
             "areal.{run}.heartbeat.generation.>",
-            "$JS.API.>", "$JS.FC.>", "$JS.ACK.{PROMPT}.generation.>",
+            "$JS.API.>", "$JS.{domain}.API.>", "$JS.FC.>", "$JS.ACK.{PROMPT}.generation.>",
             "$KV.{workers}.generation.>",
         ],
-        "deny": COMMON_DENY,
+        "deny": ["$O.{weights}.>", *COMMON_DENY],
     },
     "subscribe": SUBSCRIBE,
     "allow_responses": True,
@@ -78,7 +86,7 @@ REWARD: Permissions = {
         "allow": [
             "areal.{run}.rollout.scored", "areal.{run}.eval.scored", "areal.{run}.deadletter",
             "areal.{run}.heartbeat.reward.>",
-            "$JS.API.>", "$JS.FC.>", "$JS.ACK.{GENERATED}.reward.>",
+            "$JS.API.>", "$JS.{domain}.API.>", "$JS.FC.>", "$JS.ACK.{GENERATED}.reward.>",
             "$KV.{workers}.reward.>",
         ],
         "deny": ["areal.{run}.weights.>", *COMMON_DENY],
@@ -92,8 +100,9 @@ TRAINER: Permissions = {
             "areal.{run}.trainer.step", "areal.{run}.rollout.failed", "areal.{run}.weights.published",
             "areal.{run}.metrics", "areal.{run}.deadletter",
             "areal.{run}.heartbeat.trainer.>",
-            "$JS.API.>", "$JS.FC.>", "$JS.ACK.{SCORED}.trainer.>",
+            "$JS.API.>", "$JS.{domain}.API.>", "$JS.FC.>", "$JS.ACK.{SCORED}.trainer.>",
             "$KV.{state}.weights.published", "$KV.{workers}.trainer.>",
+            "$O.{weights}.>",
         ],
         "deny": COMMON_DENY,
     },
@@ -105,7 +114,7 @@ WEIGHT_SYNC: Permissions = {
         "allow": [
             "areal.{run}.weights.load", "areal.{run}.weights.served", "areal.{run}.deadletter",
             "areal.{run}.heartbeat.weight-sync.>",
-            "$JS.API.>", "$JS.FC.>",
+            "$JS.API.>", "$JS.{domain}.API.>", "$JS.FC.>",
             "$KV.{state}.weights.served", "$KV.{workers}.weight-sync.>",
         ],
         "deny": COMMON_DENY,
@@ -118,7 +127,7 @@ AGENT: Permissions = {
         "allow": [
             "areal.{run}.generate", "areal.{run}.rollout.scored", "areal.{run}.eval.scored",
             "areal.{run}.rollout.failed", "areal.{run}.deadletter", "areal.{run}.heartbeat.agent.>",
-            "$JS.API.>", "$JS.FC.>", "$JS.ACK.{PROMPT}.generation.>",
+            "$JS.API.>", "$JS.{domain}.API.>", "$JS.FC.>", "$JS.ACK.{PROMPT}.generation.>",
             "$KV.{workers}.agent.>",
         ],
         "deny": ["areal.{run}.weights.>", *COMMON_DENY],
@@ -148,6 +157,9 @@ variables ``permissions.conf`` defines: nats-server refuses a variable no user r
 user joins here together with its entry in those files."""
 
 NOTES = {
+    "generation": "Engines read the weights bucket (JetStream API: direct gets, a pull consumer) and\n"
+    "may never write it; the deny is spelled out for that.",
+    "trainer": "The only writer of the weights bucket ($O.<bucket>.>: chunks and object info).",
     "reward": "The deny of weights is not needed given the allow list; it is spelled out because\n"
     "a reward worker must never be able to announce or load weights.",
     "agent": "Agents take prompt tasks (the generation durable), call generation workers and publish\n"
@@ -164,6 +176,8 @@ HEADER = """\
 # What every worker needs (bus/ and workers/runtime.py):
 #   $JS.API.>                      provision the run's streams/consumers/buckets at start,
 #                                  fetch from pull consumers, read KV (direct get)
+#   $JS.areal.API.>                the same through a leaf node (leaf-users.conf maps $JS.API.>
+#                                  to the cluster's JetStream domain, areal)
 #   $JS.ACK.<stream>.<durable>.>   ack its own durable consumer only
 #   $JS.FC.>                       flow-control replies of KV watches
 #   $KV.<workers bucket>.<role>.>  its own heartbeat key in areal_<run>_workers
@@ -171,7 +185,8 @@ HEADER = """\
 #   subscribe _INBOX.> (replies, pull deliveries) and areal.> (events)
 # Each key of the state bucket areal_<run>_state has one writer: the controller
 # (controller, controller.quarantined, run.ended, issued.<task_id>), the trainer
-# (weights.published) or the weight-sync worker (weights.served).
+# (weights.published) or the weight-sync worker (weights.served). Only the trainer writes the
+# object store of the policy versions ($O.<bucket>.>); engines read it through $JS.API.
 # Deleting or purging streams and consumers is left to the ops user.
 # `*` matches every run; `areal-async run` pins its embedded server's users to the run.
 # A denied publish is not delivered and the server tells the client
@@ -187,10 +202,16 @@ def variable(user: str) -> str:
 def _names(run: str | None) -> dict[str, str]:
     """Placeholder values: the run's names, or ``*`` everywhere when ``run`` is None."""
     if run is None:
-        keys = ["run", "state", "workers", *(s.key for s in Subjects("x").streams)]
-        return dict.fromkeys(keys, "*")
+        keys = ["run", "state", "workers", "weights", *(s.key for s in Subjects("x").streams)]
+        return dict.fromkeys(keys, "*") | {"domain": JS_DOMAIN}
     subjects = Subjects(run)
-    names = {"run": run, "state": subjects.state_bucket, "workers": subjects.workers_bucket}
+    names = {
+        "run": run,
+        "state": subjects.state_bucket,
+        "workers": subjects.workers_bucket,
+        "weights": subjects.weights_bucket,
+        "domain": JS_DOMAIN,
+    }
     return names | {s.key: s.name for s in subjects.streams}
 
 

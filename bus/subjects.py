@@ -2,7 +2,9 @@
 
 Contract: all subjects of run ``<run>`` live under ``areal.<run>.``, so runs share one
 NATS cluster and ``areal.<run>.>`` taps one run. Streams are named ``AREAL_<run>_<KEY>``,
-KV buckets ``areal_<run>_state`` and ``areal_<run>_workers``. Nothing outside this module
+KV buckets ``areal_<run>_state`` and ``areal_<run>_workers``, the object store bucket
+``areal_<run>_weights`` (stream ``OBJ_areal_<run>_weights``, ``weight_sync.transport: bus``).
+Nothing outside this module
 spells a subject, stream, consumer or bucket name.
 
 Planes:
@@ -148,6 +150,9 @@ class Subjects:
         self.generate = self.prefix + GENERATE
         self.state_bucket = f"areal_{run}_state"
         self.workers_bucket = f"areal_{run}_workers"
+        self.weights_bucket = f"areal_{run}_weights"
+        """Object store of the policy versions (``workers/weight_bus.py``)."""
+        self.weights_stream = f"OBJ_{self.weights_bucket}"
         self.streams: tuple[StreamSpec, ...] = tuple(
             StreamSpec(
                 key=key,

@@ -44,7 +44,11 @@ def run_name() -> str:
 
 async def _delete_run(bus: Bus) -> None:
     names = [s.name for s in bus.subjects.streams]
-    names += [f"KV_{bus.subjects.state_bucket}", f"KV_{bus.subjects.workers_bucket}"]
+    names += [
+        f"KV_{bus.subjects.state_bucket}",
+        f"KV_{bus.subjects.workers_bucket}",
+        bus.subjects.weights_stream,
+    ]
     for name in names:
         try:
             await bus.js.delete_stream(name)

@@ -12,7 +12,10 @@ policy version that produced it; the group's ``head_version`` is the oldest toke
 ``weights.load`` interrupts decoding at the next step, swaps the weights, and resumes
 every request from prompt + tokens so far (the engine's contract); the worker then
 answers ``weights.loaded``. A worker that joins a running run first loads the version
-the others serve.
+the others serve. With ``weight_sync.transport: bus`` every load, a joining or restarted
+worker's included, rebuilds the version from the run's weights bucket and checks its digest
+(``workers/weight_bus.py``); when that fails the worker loads the disk copy if it has one,
+logging why.
 
 Agents: every worker also answers ``generate`` requests (``GenerateCall`` -> ``GenerateReply``,
 core NATS request/reply, queue group ``generation``: one worker answers each call). With a
@@ -110,11 +113,13 @@ def engine_transports(engine: InferenceEngine, transport: str) -> list[str]:
 
 async def wait_for_weights(location: Path, timeout_s: float) -> None:
     """Wait until a version's disk copy exists (the trainer writes ``<dir>.tmp`` and renames it, so
-    the directory is whole once it is there); FileNotFoundError after ``timeout_s``."""
+    the directory is whole once it is there); FileNotFoundError after ``timeout_s`` (0: look once)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         if await anyio.Path(location).is_dir():
             return
+        if time.monotonic() >= deadline:
+            break
         await anyio.sleep(0.05)
     raise FileNotFoundError(f"weights {location} did not appear within {timeout_s} s")
 
@@ -136,6 +141,11 @@ class Generator:
         self.tasks_done = 0
         self.tokens_out = 0
         self.receiver: Any = None
+        self.bus_reader: Any = None
+        if self.cfg.weight_sync.transport == "bus":
+            from workers.weight_bus import BusWeightReader
+
+            self.bus_reader = BusWeightReader(self.cfg, ctx.bus)
         transports = engine_transports(engine, self.cfg.weight_sync.transport)
         if transports:
             from workers.weight_transfer import WeightReceiver
@@ -155,10 +165,17 @@ class Generator:
 
     async def _load(self, version: int, path: str, offer: WeightsLoad | None) -> None:
         started = time.perf_counter()
-        via, fallback = "disk", ""
+        via, fallback, digest = "disk", "", ""
         try:
             location = checked_weights_path(self.cfg, path)
-            if offer is not None and self.receiver is not None:
+            if self.bus_reader is not None:
+                try:
+                    digest = await self._load_from_bus(version)
+                    via = "bus"
+                except Exception as exc:  # the disk copy of the same version, where this host has it
+                    fallback = f"{type(exc).__name__}: {exc}"
+                    log.warning("weights from the bus failed; loading the disk copy", error=fallback)
+            elif offer is not None and self.receiver is not None:
                 try:
                     if getattr(self.engine, "group_transports", ()):  # remote servers join the group
                         await self.receiver.receive_remote(self.engine, version, str(location), offer)
@@ -172,11 +189,14 @@ class Generator:
                 finally:
                     tensors = None
             if via == "disk":
-                await wait_for_weights(location, self.cfg.weight_sync.timeout_s)
+                # Through the bus the disk copy, if any, was written before the version was announced.
+                wait_s = 0.0 if self.bus_reader is not None else self.cfg.weight_sync.timeout_s
+                await wait_for_weights(location, wait_s)
                 await self.engine.load_weights(version, str(location))
             ok, error = True, ""
             seconds = time.perf_counter() - started
-            log.info("weights loaded", policy_version=version, via=via, seconds=round(seconds, 3))
+            checked = {"digest": digest} if digest else {}
+            log.info("weights loaded", policy_version=version, via=via, seconds=round(seconds, 3), **checked)
         except Exception as exc:  # report, keep serving the old weights
             seconds, ok, error = 0.0, False, f"{type(exc).__name__}: {exc}"
             log.error("weights load failed", policy_version=version, path=path, error=error)
@@ -194,6 +214,12 @@ class Generator:
             ),
             policy_version=self.engine.version,
         )
+
+    async def _load_from_bus(self, version: int) -> str:
+        """Rebuild ``version`` from the weights bucket (verified) and load it; returns its digest."""
+        tensors, digest = await self.bus_reader.fetch(version)
+        await self.engine.load_weights(version, tensors)
+        return digest
 
     async def catch_up(self) -> None:
         """A worker joining a running run serves what the others serve before taking tasks."""

@@ -203,6 +203,7 @@ async def open_bus(cfg: RunConfig, *, name: str) -> Bus:
         ack_wait=cfg.bus.ack_wait_s,
         max_ack_pending=cfg.bus.max_ack_pending,
         heartbeat_ttl=cfg.bus.heartbeat_ttl_s,
+        weights_bucket=cfg.weight_sync.transport == "bus",
     )
     return bus
 

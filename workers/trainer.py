@@ -17,7 +17,8 @@ compute (``Learner.follow``). Each step at trainer version ``t``:
    re-issues its prompt; with dynamic sampling a group whose rewards are all equal is
    ``filtered``;
 2. train on the B oldest trainable groups (pi_prox forward, decoupled PPO update): t -> t+1;
-3. save ``weights/v<t+1>/`` and publish ``weights.published`` (path + manifest);
+3. save ``weights/v<t+1>/`` (with ``weight_sync.transport: bus`` first into the run's weights
+   bucket, ``workers/weight_bus.py``) and publish ``weights.published`` (path + manifest);
 4. publish ``trainer.step`` (task ids, head versions, metrics) and append ``metrics.jsonl``.
 
 Lossless resume (docs/design.md section 8): trained groups stay unacknowledged until the next
@@ -63,6 +64,7 @@ from bus.state import WEIGHTS_PUBLISHED, RunState, StateRecordError
 from bus.subjects import Streams
 from workers.common import append_jsonl, resolve_model_path, settle_or_dead_letter, weights_dir
 from workers.runtime import WorkerContext, io_thread_affinity
+from workers.weight_bus import BusWeightWriter
 from workers.weight_transfer import WeightSender
 
 log = structlog.get_logger()
@@ -162,13 +164,16 @@ class Trainer:
         self._bus_total = 0.0
         self.tb = _tensorboard(self.cfg)
         self.started = time.time()
-        in_memory = self.cfg.weight_sync.transport != "disk"
+        transport = self.cfg.weight_sync.transport
+        in_memory = transport in ("gloo", "nccl", "cuda_ipc")
         self.sender = WeightSender(self.cfg, self.cfg.trainer.device) if in_memory else None
+        self.bus_writer = BusWeightWriter(self.cfg, self.bus) if transport == "bus" else None
         # In memory, the snapshot is the engines' dtype and stays on the GPU (a device copy, so the
         # step does not wait for the host); the disk copy's writer moves it to the host. On disk,
         # the float32 snapshot goes to the host (it may be several times the GPU's spare memory).
+        # Through the bus, the engines' dtype on the host (the codec runs on the CPU).
         self.snapshot_options = {
-            "dtype": self.cfg.model.dtype if in_memory else "",
+            "dtype": self.cfg.model.dtype if transport != "disk" else "",
             "on_device": in_memory and self.cfg.trainer.device == "cuda",
         }
 
@@ -363,14 +368,23 @@ class Trainer:
         return int(metrics.get("loss_tokens", 0.0))
 
     async def write_weights(self) -> None:
-        """Background writer: HF checkpoint of each new version, then ``weights.published``."""
+        """Background writer: each new version into the weights bucket (``bus``) and as an HF
+        directory, then ``weights.published``."""
         async for version, tensors in self.weights_in:
             t0 = time.monotonic()
             path = weights_dir(self.cfg, version)
+            await self.write_to_bus(version, tensors)
             manifest = await anyio.to_thread.run_sync(self._write, path, tensors)
             self.last_write_s = time.monotonic() - t0
             if self.sender is None:
                 await self.publish_weights(version, path, manifest, self.last_write_s)
+
+    async def write_to_bus(self, version: int, tensors: dict[str, Any]) -> None:
+        """Store ``version`` in the run's weights bucket (``weight_sync.transport: bus``)."""
+        if self.bus_writer is None:
+            return
+        written = await self.bus_writer.write(version, tensors)
+        log.info("weights written to the bus", policy_version=version, **written)
 
     def _write(self, path: Path, tensors: Any) -> list[dict[str, Any]]:
         """Worker-thread body: hash and write one version on the cores for ``trainer.io``, if named."""
@@ -492,6 +506,9 @@ async def serve(ctx: WorkerContext) -> None:
     if behind:
         # Restarted behind what engines serve (the lost future): bring them back to our version.
         path = weights_dir(cfg, learner.version)
+        if trainer.bus_writer is not None:
+            snapshot = functools.partial(learner.snapshot_weights, **trainer.snapshot_options)
+            await trainer.write_to_bus(learner.version, await anyio.to_thread.run_sync(snapshot))
         manifest = await anyio.to_thread.run_sync(learner.save_weights, path)
         await trainer.publish_weights(learner.version, path, manifest, 0.0)
     # The one reader of the SCORED consumer: what an earlier trainer process held comes back now.

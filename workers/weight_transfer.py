@@ -1,4 +1,4 @@
-"""In-memory weight transfer (``weight_sync.transport`` other than ``disk``), both sides.
+"""In-memory weight transfer (``weight_sync.transport`` ``gloo``, ``nccl`` or ``cuda_ipc``), both sides.
 
 The trainer's ``WeightSender``: ``prepare`` turns a version's snapshot into what travels: its tensors packed into buckets on the
 transfer device (``cuda_ipc``: one buffer, exported as a handle), a digest per bucket, and the

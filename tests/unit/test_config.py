@@ -265,6 +265,23 @@ def test_weight_transport_settings_are_checked_against_the_trainer(tmp_path: Pat
     assert (cfg.weight_sync.transport, cfg.weight_sync.bucket_mb) == ("nccl", 512)
 
 
+def test_bus_transport_settings_name_the_field_and_the_fix() -> None:
+    """``transport: bus`` serves local engines only, its chunk must fit the embedded server's
+    max_payload, and it does not carry LoRA adapters."""
+    cfg = load_config(overrides=["weight_sync.transport=bus"])
+    assert (cfg.weight_sync.anchor_every, cfg.weight_sync.chunk_kb) == (8, 1024)
+    with pytest.raises(ConfigError, match=r"'bus' serves local engines only.*rollout.engine is 'vllm'"):
+        load_config(overrides=["weight_sync.transport=bus", "rollout.engine=vllm"])
+    with pytest.raises(
+        ConfigError, match=r"chunk_kb \(9000\) does not fit.*max_payload_mb \(8.0\).*at most 8188"
+    ):
+        load_config(overrides=["weight_sync.transport=bus", "weight_sync.chunk_kb=9000"])
+    with pytest.raises(ConfigError, match=r"anchor_every must be > 0, got 0"):
+        load_config(overrides=["weight_sync.anchor_every=0"])
+    with pytest.raises(ConfigError, match=r"transport 'bus' does not carry LoRA adapters.*transport: disk"):
+        build_config({"name": "r", "trainer": {"lora": {}}, "weight_sync": {"transport": "bus"}})
+
+
 def test_a_model_that_is_not_here_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
     from workers.launcher import check_model_available
 

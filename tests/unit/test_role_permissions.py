@@ -38,6 +38,34 @@ def test_only_the_controller_may_write_issued_task_records() -> None:
     assert resolve("ops")["publish"]["allow"] == [">"]
 
 
+def test_only_the_trainer_may_write_the_weights_bucket() -> None:
+    """Of the worker roles only the trainer may publish into ``$O.<weights bucket>.>``; the
+    generation role's deny spells it out, and no role may delete or purge through the leaf
+    domain's API either."""
+    writers = [
+        user
+        for user in PERMISSIONS
+        if any(p.startswith("$O.") for p in resolve(user, "r1")["publish"]["allow"])
+    ]
+    assert writers == ["trainer"]
+    assert resolve("trainer", "r1")["publish"]["allow"].count("$O.areal_r1_weights.>") == 1
+    assert "$O.areal_r1_weights.>" in resolve("generation", "r1")["publish"]["deny"]
+    for user in PERMISSIONS.keys() - {"ops"}:
+        assert "$JS.areal.API.STREAM.PURGE.>" in resolve(user)["publish"]["deny"], user
+
+
+def test_a_leaf_node_has_the_clusters_users_with_the_same_permissions() -> None:
+    """leaf-users.conf (a leaf node's account) lists every user of auth-users.conf, each with the
+    same password variable and permissions."""
+    entry = re.compile(r"\{user: ([\w-]+),[^}]*\}")
+    cluster, leaf = (
+        [m.group(0) for m in entry.finditer((SHIPPED.parent / name).read_text())]
+        for name in ("auth-users.conf", "leaf-users.conf")
+    )
+    assert leaf == cluster
+    assert set(SHIPPED_USERS) <= {entry.match(e).group(1) for e in cluster}  # type: ignore[union-attr]
+
+
 def test_a_run_pinned_rendering_names_only_that_runs_subjects_streams_and_buckets() -> None:
     """Pinned to run r1, the reward user's publish list holds r1's subjects, r1's GENERATED
     stream and r1's workers bucket, and no wildcard run token."""
