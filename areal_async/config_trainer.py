@@ -191,6 +191,12 @@ class TrainerConfig:
     num_threads: int | None = None
     """torch threads per trainer rank (None: torch's default)."""
 
+    malloc_arenas: int = 1
+    """glibc malloc arenas of a trainer process (0: glibc's default, up to 8 per core). Every thread
+    that allocates gets an arena of its own, and an arena keeps the memory it freed: the step, the
+    weight snapshot and the writer each held a step's worth. One arena reuses it (CPU demo: peak RSS
+    6.3 -> 4.5 GiB, step time within noise). ``MALLOC_ARENA_MAX`` in the environment wins."""
+
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """AdamW and learning-rate schedule."""
 
@@ -258,7 +264,7 @@ class TrainerConfig:
                 f"trainer.num_ranks={self.num_ranks} (a context-parallel group shares a node); make "
                 "num_ranks a multiple of it"
             )
-        non_negative(self, "eval_every")
+        non_negative(self, "eval_every", "malloc_arenas")
         if self.backend == "megatron":
             tp = self.megatron.tensor_parallel
             if self.num_ranks % tp:

@@ -96,6 +96,10 @@ def _run_worker(args: argparse.Namespace) -> int:
     from areal_async.run_file import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if args.role == "trainer":  # before torch starts its threads
+        from workers.runtime import limit_malloc_arenas
+
+        limit_malloc_arenas(cfg.trainer.malloc_arenas)
     try:
         module = importlib.import_module(ROLE_MODULES[args.role])
     except ModuleNotFoundError as exc:

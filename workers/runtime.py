@@ -18,6 +18,7 @@ systemd's ``RestartPreventExitStatus=2`` stops the restart loop).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -284,6 +285,24 @@ def pin_cpus(role: str) -> None:
     cpus = cpu_affinity(role)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
+
+
+M_ARENA_MAX = -8
+"""glibc's ``mallopt`` parameter number of the arena cap (malloc.h)."""
+
+
+def limit_malloc_arenas(arenas: int) -> bool:
+    """Cap this process's glibc malloc arenas at ``arenas`` (``trainer.malloc_arenas``); call it
+    before the threads that allocate start. Not applied, returning False, for 0, where
+    ``MALLOC_ARENA_MAX`` is set (the environment decides) or where the C library is not glibc."""
+    if arenas == 0 or "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_ARENA_MAX, arenas))
 
 
 @contextmanager
