@@ -1,7 +1,7 @@
 """Encoding one policy version for the bus: anchors, deltas and their digests.
 
 A version travels as one flat byte buffer: its tensors packed in name order
-(``weight_transport.plan_buckets(manifest, None)`` + ``pack``). ``word_bytes`` is the width the
+(``weight_buckets.plan_buckets(manifest, None)`` + ``pack``). ``word_bytes`` is the width the
 codec reads that buffer in: the common element size of its tensors (2 for bf16/fp16, 4 for
 float32, 1 for mixed widths).
 

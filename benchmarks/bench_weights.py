@@ -135,7 +135,7 @@ def _engine(shape: str, device: str, inbox: Any, outbox: Any) -> None:
     loads what each message names, reports when done (and how long it read and applied)."""
     from areal_async import lora
     from areal_async.weights_file import read_safetensors_dir
-    from workers.weight_transfer import WeightReceiver
+    from workers.weight_memory import WeightReceiver
 
     if device == "cpu":
         torch.set_num_threads(1)  # the generation worker's one core
@@ -366,7 +366,7 @@ def main() -> None:
     from areal_async import lora
     from areal_async.weights_file import write_weights_dir
     from bus.events import WeightsLoad
-    from workers.weight_transfer import WeightSender
+    from workers.weight_memory import WeightSender
 
     ctx = mp.get_context("spawn")
     rows = bus_rows(args) if "bus" in args.transports else []

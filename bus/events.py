@@ -222,7 +222,7 @@ class TrainerStep(Event, kw_only=True):
 
 
 class TransferOffer(msgspec.Struct, kw_only=True, frozen=True):
-    """How to receive one version in memory (``areal_async.weight_transport``).
+    """How to receive one version in memory (``areal_async.weight_buckets``).
 
     ``transport`` is ``gloo``/``nccl`` (join the group named in ``weights.load`` on the store at
     ``address``, receive ``digests``-checked buckets of at most ``bucket_bytes``) or ``cuda_ipc``

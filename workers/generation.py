@@ -148,7 +148,7 @@ class Generator:
             self.bus_reader = BusWeightReader(self.cfg, ctx.bus)
         transports = engine_transports(engine, self.cfg.weight_sync.transport)
         if transports:
-            from workers.weight_transfer import WeightReceiver
+            from workers.weight_memory import WeightReceiver
 
             self.receiver = WeightReceiver(self.cfg, getattr(engine, "device", "cpu"), ctx.worker_id)
             ctx.transports = transports

@@ -49,7 +49,7 @@ import structlog
 from areal_async.algo.advantages import dynamic_sampling_keep
 from areal_async.algo.staleness import StalenessStats, guard
 from areal_async.config import RunConfig
-from areal_async.weight_transport import decode_manifest, nbytes
+from areal_async.weight_buckets import decode_manifest, nbytes
 from bus.events import (
     RolloutFailed,
     ScoredGroup,
@@ -65,7 +65,7 @@ from bus.subjects import Streams
 from workers.common import append_jsonl, resolve_model_path, settle_or_dead_letter, weights_dir
 from workers.runtime import WorkerContext, io_thread_affinity
 from workers.weight_bus import BusWeightWriter
-from workers.weight_transfer import WeightSender
+from workers.weight_memory import WeightSender
 
 log = structlog.get_logger()
 

@@ -55,7 +55,7 @@ from nats.js import api
 
 from areal_async import weight_codec as codec
 from areal_async.config import RunConfig
-from areal_async.weight_transport import (
+from areal_async.weight_buckets import (
     decode_manifest,
     encode_manifest,
     manifest_of,

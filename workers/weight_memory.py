@@ -1,5 +1,7 @@
 """In-memory weight transfer (``weight_sync.transport`` ``gloo``, ``nccl`` or ``cuda_ipc``), both sides.
 
+Built on the primitives of ``areal_async/weight_buckets.py``; the ``bus`` transport is ``workers/weight_bus.py``.
+
 The trainer's ``WeightSender``: ``prepare`` turns a version's snapshot into what travels: its tensors packed into buckets on the
 transfer device (``cuda_ipc``: one buffer, exported as a handle), a digest per bucket, and the
 ``TransferOffer`` that ``weights.published`` carries. It returns views of the tensors inside the
@@ -29,7 +31,7 @@ import structlog
 import torch
 
 from areal_async.config import RunConfig
-from areal_async.weight_transport import (
+from areal_async.weight_buckets import (
     TransferError,
     decode_manifest,
     digest,

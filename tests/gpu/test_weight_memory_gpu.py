@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bus.events import WeightsLoad
-from workers.weight_transfer import WeightReceiver, WeightSender
+from workers.weight_memory import WeightReceiver, WeightSender
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
