@@ -67,6 +67,8 @@ class SchedulerState:
     trained: int = 0
     served_version: int = 0
     trainer_step: int = 0
+    step_seq: int = 0
+    """Stream sequence of the newest ``trainer.step`` event recorded (0: none)."""
     total_issued: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     retry: deque[list[Any]] = field(default_factory=deque)
@@ -208,6 +210,7 @@ class SchedulerState:
             "trained": self.trained,
             "served_version": self.served_version,
             "trainer_step": self.trainer_step,
+            "step_seq": self.step_seq,
             "total_issued": self.total_issued,
             "failures": dict(self.failures),
             "retry": [list(r) for r in self.retry],
@@ -222,7 +225,7 @@ class SchedulerState:
     ) -> SchedulerState:
         """Restore saved state; admission parameters come from the current config."""
         state = cls(max_staleness=max_staleness, batch_size=batch_size, max_inflight=max_inflight)
-        for key in ("issued", "trained", "served_version", "trainer_step"):
+        for key in ("issued", "trained", "served_version", "trainer_step", "step_seq"):
             setattr(state, key, int(data.get(key, 0)))
         state.total_issued = int(data.get("total_issued", 0))
         state.failures = dict(data.get("failures", {}))

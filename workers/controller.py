@@ -282,10 +282,18 @@ class Controller:
                 f"{len(ev.task_ids)} task ids and {len(ev.head_versions)} head versions; "
                 f"expected trainer.batch_size={self.cfg.trainer.batch_size} of each"
             )
+        if delivery.stream_seq <= self.state.step_seq:
+            # Delivered again after newer steps were recorded: a stopped controller held it unacked and
+            # the consumer redelivers it once ack_wait ends. A trainer restarted from a checkpoint
+            # publishes its repeated steps anew, with higher sequence numbers (rolled back below).
+            log.info("trainer.step delivered again; already recorded", step=ev.step, seq=delivery.stream_seq)
+            await delivery.ack()
+            return
         problem = self.state.check_trained(ev.step, list(ev.task_ids))
         if problem:
             raise Rejected(problem)
         rolled_back = self.state.on_trained(ev.step, list(ev.task_ids))
+        self.state.step_seq = delivery.stream_seq
         if rolled_back:
             log.warning("trainer restarted from a checkpoint; rolled back", step=ev.step, groups=rolled_back)
         self.trainer_version = ev.policy_version

@@ -289,7 +289,8 @@ async def summary(bus: Any, as_json: bool) -> int:
 async def health(bus: Any, cfg: RunConfig | None, as_json: bool) -> int:
     """Every live worker's state as the stall watchdog judges it from one look (no history: the
     floor thresholds), its last progress and queue depths; roles of the run without a live worker;
-    the stalls and heals recorded in ``stalls.jsonl``. Exit 1 when a worker is frozen or wedged."""
+    the stalls and heals recorded in ``stalls.jsonl``. Exit 1 when a worker is frozen or wedged; one
+    the watchdog already killed is shown ``killed`` until its entry expires, and does not count."""
     from areal_async.config import WatchdogConfig
     from bus.events import decode
     from bus.subjects import Buckets
@@ -308,15 +309,23 @@ async def health(bus: Any, cfg: RunConfig | None, as_json: bool) -> int:
             tracker.beat(beat, mono - (wall - beat.sent_at))
     queues = await undelivered(bus)
     tracker.consumers(queues)
+    history = read_jsonl(cfg.run_dir / "stalls.jsonl") if cfg is not None else []
+    # A worker the watchdog killed keeps its entry until its heartbeat TTL ends: it is dealt with.
+    killed = {
+        r.get("worker_id") for r in history if r.get("event") == "RunStalled" and r.get("action") == "killed"
+    }
     rows = []
     for v in sorted(tracker.check(mono), key=lambda v: (v.role, v.worker_id)):
         b = beats[(v.role, v.worker_id)]
+        gone = v.state in STALLED and v.worker_id in killed
         rows.append(
             {
                 "role": v.role,
                 "worker_id": v.worker_id,
-                "state": v.state,
-                "evidence": v.evidence,
+                "state": "killed" if gone else v.state,
+                "evidence": "killed by the stall watchdog; its entry ends with its heartbeat TTL"
+                if gone
+                else v.evidence,
                 "upstream": v.upstream,
                 "phase": b.phase,
                 "handled": b.handled,
@@ -326,8 +335,7 @@ async def health(bus: Any, cfg: RunConfig | None, as_json: bool) -> int:
             }
         )
     expected = run_roles(cfg.uses_agents) if cfg is not None else ()
-    absent = [r for r in expected if not any(row["role"] == r for row in rows)]
-    history = read_jsonl(cfg.run_dir / "stalls.jsonl") if cfg is not None else []
+    absent = [r for r in expected if not any(row["role"] == r and row["state"] != "killed" for row in rows)]
     report = {"run": bus.run, "workers": rows, "absent_roles": absent, "queues": queues, "stalls": history}
     if as_json:
         sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")

@@ -3,11 +3,8 @@ through the run's weights bucket, bit-identical to the trainer's."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +16,16 @@ from safetensors.torch import load_file
 from areal_async import weight_codec as codec
 from areal_async.run_file import load_config
 from bus import ConnectOptions, EmbeddedServer, connect
-from bus.embedded import read_credentials
 from tests.e2e.test_e2e import _check_exactly_once, _pid_of, _wait_for
-from tests.helpers.jobs import REPO, finish_job, read_steps, start_job, steps_done, tiny_config
+from tests.helpers.jobs import (
+    finish_job,
+    read_steps,
+    start_extra_generation,
+    start_job,
+    steps_done,
+    tiny_config,
+    worker_log,
+)
 from workers.weight_bus import BusStore, Record, flatten, slot_names
 
 
@@ -36,18 +40,8 @@ async def _bucket_contents(url: str, run: str, slots: tuple[str, ...]) -> tuple[
         await bus.close()
 
 
-def _log(run_dir: Path, role: str, event: str) -> list[dict[str, Any]]:
-    lines = []
-    for path in sorted((run_dir / "logs").glob(f"{role}-*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("event") == event:
-                lines.append({**record, "file": path.name})
-    return lines
-
-
 def _bus_loads(run_dir: Path) -> list[dict[str, Any]]:
-    return [r for r in _log(run_dir, "generation", "weights loaded") if r.get("via") == "bus"]
+    return [r for r in worker_log(run_dir, "generation", "weights loaded") if r.get("via") == "bus"]
 
 
 @pytest.mark.timeout(600)
@@ -83,16 +77,7 @@ def test_bus_transport_serves_every_version_bit_identical_to_a_restarted_and_a_l
     try:
         _wait_for(lambda: steps_done(run_dir) >= 2 and len(_bus_loads(run_dir)) >= 2, 240, "two loads")
         os.kill(_pid_of(run_dir, "generation"), signal.SIGKILL)
-        url = (run_dir / "nats.url").read_text().strip()
-        password = read_credentials(run_dir / "nats")["generation"]
-        extra = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "--role", "generation", "--config", str(cfg)]
-            + ["--set", f"bus.url={url}", "--set", "bus.user=generation", "--worker-id", "generation-late"],
-            cwd=REPO,
-            env={**os.environ, "AREAL_NATS_PASSWORD": password},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        extra = start_extra_generation(cfg, run_dir, "generation-late")
         late = lambda: [r for r in _bus_loads(run_dir) if r["file"] == "generation-late.jsonl"]  # noqa: E731
         _wait_for(lambda: len(late()) >= 2, 240, "the late engine to load two versions")
         extra.send_signal(signal.SIGTERM)
@@ -105,13 +90,13 @@ def test_bus_transport_serves_every_version_bit_identical_to_a_restarted_and_a_l
     assert "warning: generation exited with -9; restart 1/3" in res.output
     _check_exactly_once(read_steps(run_dir, "busw"), total, batch)
 
-    written = {r["policy_version"]: r for r in _log(run_dir, "trainer", "weights written to the bus")}
+    written = {r["policy_version"]: r for r in worker_log(run_dir, "trainer", "weights written to the bus")}
     assert sorted(written) == list(range(1, total + 1))
     assert any(w["delta_bytes"] and not w["anchor_bytes"] for w in written.values())
-    loads = [r for r in _log(run_dir, "generation", "weights loaded") if "via" in r]
+    loads = [r for r in worker_log(run_dir, "generation", "weights loaded") if "via" in r]
     assert loads and all(r["via"] == "bus" for r in loads), [(r["file"], r["via"]) for r in loads]
     assert all(r["digest"] == written[r["policy_version"]]["digest"] for r in loads)
-    assert not _log(run_dir, "generation", "weights from the bus failed; loading the disk copy")
+    assert not worker_log(run_dir, "generation", "weights from the bus failed; loading the disk copy")
     engines = {r["file"] for r in loads}
     assert len(engines) == 3, f"the first engine, its restart and the late one each load: {engines}"
     last = load_file(run_dir / "weights" / f"v{total}" / "model.safetensors")

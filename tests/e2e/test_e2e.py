@@ -18,6 +18,7 @@ from tests.helpers.jobs import (
     finish_job,
     read_steps,
     run_job,
+    start_extra_generation,
     start_job,
     steps_done,
     tiny_config,
@@ -279,11 +280,6 @@ def test_two_rank_trainer_under_torchrun_completes_a_run(
 def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_model: Path) -> None:
     """A second generation worker started mid-run (its own process, same bus) receives tasks;
     stopping it with SIGTERM loses nothing: the run completes with every step trained once."""
-    import subprocess
-    import sys
-
-    from bus.embedded import read_credentials
-    from tests.helpers.jobs import REPO
 
     total, batch = 16, 4
     cfg = tiny_config(
@@ -303,16 +299,7 @@ def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_m
     extra = None
     try:
         _wait_for(lambda: steps_done(run_dir) >= 2, 240, "two steps")
-        url = (run_dir / "nats.url").read_text().strip()
-        password = read_credentials(run_dir / "nats")["generation"]  # the run's generation user
-        extra = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "--role", "generation", "--config", str(cfg)]
-            + ["--set", f"bus.url={url}", "--set", "bus.user=generation", "--worker-id", "generation-extra"],
-            cwd=REPO,
-            env={**os.environ, "AREAL_NATS_PASSWORD": password},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        extra = start_extra_generation(cfg, run_dir, "generation-extra")
         _wait_for(lambda: _served_by_extra(run_dir), 240, "the extra worker to generate a group")
         extra.send_signal(signal.SIGTERM)
         assert extra.wait(60) == 0

@@ -9,8 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.e2e.test_e2e import kill_mid_run
-from tests.e2e.test_weight_memory_run import _log
-from tests.helpers.jobs import steps_clear_of_lost_versions
+from tests.helpers.jobs import steps_clear_of_lost_versions, worker_log
 
 pytest.importorskip("megatron.core")
 
@@ -54,7 +53,7 @@ def test_megatron_run_serves_every_version_through_a_trainer_restart(
     assert lost and checked >= 5, (lost, checked)
     logs = "".join(p.read_text() for p in (res.run_dir / "logs").glob("trainer*"))
     assert "megatron train engine ready" in logs
-    loads = [r for r in _log(res.run_dir, "generation", "weights loaded") if "via" in r]
+    loads = [r for r in worker_log(res.run_dir, "generation", "weights loaded") if "via" in r]
     assert sum(r["via"] == "gloo" for r in loads) >= 4, loads  # versions moved in memory, not from disk
 
     # The check above could fail: training moved the published weights far beyond float noise.

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.e2e.test_e2e import kill_mid_run
-
-
-def _log(run_dir: Path, role: str, event: str) -> list[dict[str, Any]]:
-    lines = []
-    for path in sorted((run_dir / "logs").glob(f"{role}-*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("event") == event:
-                lines.append({**record, "file": path.name})
-    return lines
+from tests.helpers.jobs import worker_log
 
 
 @pytest.mark.timeout(900)
@@ -33,7 +22,7 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
     run_dir = tmp_path / "gloo"
 
     def loaded_in_memory(run_dir: Path) -> bool:  # the first engine took a version before it dies
-        return any(r.get("via") == "gloo" for r in _log(run_dir, "generation", "weights loaded"))
+        return any(r.get("via") == "gloo" for r in worker_log(run_dir, "generation", "weights loaded"))
 
     kill_mid_run(
         tmp_path,
@@ -48,7 +37,7 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
         weight_sync__transfer_timeout_s=10,
         bus__heartbeat_interval_s=1.0,  # the dead engine leaves groups 2 s after its last word
     )
-    loads = [r for r in _log(run_dir, "generation", "weights loaded") if "via" in r]
+    loads = [r for r in worker_log(run_dir, "generation", "weights loaded") if "via" in r]
     by_file: dict[str, list[str]] = {}
     for r in loads:
         by_file.setdefault(r["file"], []).append(r["via"])
@@ -60,12 +49,12 @@ def test_gloo_transport_survives_a_killed_engine_and_serves_versions_in_memory(
     # soon; that costs one timeout, never a second one for a later version offered to the same group.
     waits = [
         r
-        for r in _log(run_dir, "generation", "in-memory weight transfer failed; loading the disk copy")
+        for r in worker_log(run_dir, "generation", "in-memory weight transfer failed; loading the disk copy")
         if "timeout" in r["error"]
     ]
     assert len(waits) <= 1, f"the engine waited for a dead member more than once: {waits}"
     # Each completed broadcast reached the engine (the killed one may have died before logging it).
-    sent = len(_log(run_dir, "trainer", "weights sent"))
+    sent = len(worker_log(run_dir, "trainer", "weights sent"))
     received = sum(r["via"] == "gloo" for r in loads)
     assert received <= sent <= received + 1, (sent, by_file)
     # The disk copy of every served version was still written (late joiners, checkpoints).

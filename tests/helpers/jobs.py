@@ -127,6 +127,34 @@ def run_job(config: Path, *overrides: str, timeout: float = 600) -> JobResult:
     return finish_job(start_job(config, *overrides), run_dir, started, timeout)
 
 
+def worker_log(run_dir: Path, role: str, event: str) -> list[dict[str, Any]]:
+    """Every JSON log record of ``event`` by the workers of ``role``, with its log file's name."""
+    lines = []
+    for path in sorted((run_dir / "logs").glob(f"{role}-*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == event:
+                lines.append({**record, "file": path.name})
+    return lines
+
+
+def start_extra_generation(config: Path, run_dir: Path, worker_id: str) -> subprocess.Popen[bytes]:
+    """A generation worker of the running job of ``config``, started by hand as an operator would
+    (the run's URL and its generation user's password), beside the launcher's own."""
+    from bus.embedded import read_credentials
+
+    url = (run_dir / "nats.url").read_text().strip()
+    password = read_credentials(run_dir / "nats")["generation"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "--role", "generation", "--config", str(config)]
+        + ["--set", f"bus.url={url}", "--set", "bus.user=generation", "--worker-id", worker_id],
+        cwd=REPO,
+        env={**os.environ, "AREAL_NATS_PASSWORD": password},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def steps_done(run_dir: Path) -> int:
     """Training steps the trainer has logged so far (lines of ``metrics.jsonl``)."""
     path = run_dir / "metrics.jsonl"

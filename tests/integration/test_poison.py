@@ -18,7 +18,16 @@ import pytest
 
 from areal_async.run_file import build_config
 from bus import Bus
-from bus.events import Completion, DeadLetter, RolloutGroup, ScoredGroup, decode, pack_f32, pack_i32
+from bus.events import (
+    Completion,
+    DeadLetter,
+    RolloutGroup,
+    ScoredGroup,
+    TrainerStep,
+    decode,
+    pack_f32,
+    pack_i32,
+)
 from bus.state import CONTROLLER, IssuedTask, RunState
 from workers.controller import Controller
 from workers.runtime import WorkerContext
@@ -173,3 +182,38 @@ async def test_a_group_a_restored_trainer_recycles_from_a_lost_step_is_reissued(
     assert controller.state.step_tasks[2] == ["e0-i2"] and controller.state.trained == 3
     assert controller.state.attempts["e0-i3"] == 1
     assert not await _dead_letters(bus)
+
+
+@pytest.mark.asyncio
+async def test_a_step_delivered_again_after_newer_ones_is_no_trainer_restart(
+    bus_factory, run_name: str, tmp_path: Path
+) -> None:
+    """A controller stopped while holding trainer.step 1 unacked; its replacement records steps 1 and
+    2 and then gets step 1's first delivery again (ack_wait ran out): ignored, nothing rolled back.
+    A step 2 published anew (a trainer restored at version 1) is a restart: step 2 is rolled back."""
+    bus = await bus_factory(provision=True)
+    controller = Controller(_context(bus, run_name, tmp_path, "controller"))
+    ids = [controller.state.take_new(0, i).task_id for i in range(4)]
+    acked: list[int] = []
+
+    def delivery(seq: int) -> SimpleNamespace:
+        async def ack() -> None:
+            acked.append(seq)
+
+        return SimpleNamespace(stream_seq=seq, ack=ack)
+
+    def step(n: int) -> TrainerStep:
+        return TrainerStep(
+            step=n, policy_version=n, task_ids=ids[2 * n - 2 : 2 * n], head_versions=[n - 1] * 2
+        )
+
+    await controller._trainer_step(step(1), delivery(11))
+    await controller._trainer_step(step(2), delivery(12))
+    await controller._trainer_step(step(1), delivery(11))  # the stopped controller's copy, again
+    assert controller.state.trained == 4 and sorted(controller.state.step_tasks) == [1, 2]
+    assert controller.state.trainer_step == 2 and acked == [11, 12, 11]
+    await controller._trainer_step(step(2), delivery(13))  # repeated by a restored trainer
+    assert controller.state.trained == 4 and controller.state.step_seq == 13
+    restored = Controller(_context(bus, run_name, tmp_path, "controller"))
+    await restored.load()  # the sequence is saved with the rest of the controller's state
+    assert restored.state.step_seq == 13 and restored.state.trained == 4
