@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -35,13 +36,28 @@ from areal_async.errors import ConfigError
 log = structlog.get_logger(__name__)
 
 
+class _RunFileLoader(yaml.SafeLoader):
+    """YAML 1.1 as PyYAML reads it, except that ``2e-5`` is a float (YAML 1.2), as a person means it."""
+
+
+_RunFileLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_RunFileLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``a.b=c`` into (["a", "b"], value); the value is parsed as a YAML scalar or list."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set rollout.group_size=8")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc.__class__.__name__})") from exc
     return key.strip().split("."), value
@@ -69,7 +85,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
                 f"{source}: no such file; pass the path of a run file, e.g. configs/arith_cpu.yaml"
             )
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = _load_yaml(p.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):

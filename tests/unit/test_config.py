@@ -56,6 +56,16 @@ def test_overrides_replace_nested_values_and_parse_yaml_scalars(tmp_path: Path) 
     assert cfg.name == "abc"
 
 
+def test_exponent_numbers_without_a_dot_are_numbers_in_files_and_overrides(tmp_path: Path) -> None:
+    """`lr: 2e-5` is a float (YAML 1.2), in a run file and in --set, not the string PyYAML makes of it."""
+    path = _write(tmp_path, "trainer:\n  optimizer:\n    lr: 3e-5\n")
+    assert load_config(path).trainer.optimizer.lr == pytest.approx(3e-5)
+    cfg = load_config(path, ["trainer.optimizer.lr=2e-5", "trainer.optimizer.eps=1E-8"])
+    assert cfg.trainer.optimizer.lr == pytest.approx(2e-5)
+    assert cfg.trainer.optimizer.eps == pytest.approx(1e-8)
+    assert parse_override("name=2e") == (["name"], "2e")  # not a number: stays a string
+
+
 def test_unknown_key_names_file_section_and_suggests_the_right_key(tmp_path: Path) -> None:
     """A typo is refused with the file, the section and a did-you-mean hint."""
     path = _write(tmp_path, "rollout:\n  group_sise: 8\n")
