@@ -314,7 +314,8 @@ class SFTConfig:
 
     max_tokens: int | None = None
     """Longest row in tokens (prompt + completion); a longer row is a bad row (``on_bad_row``).
-    None: the model's ``max_position_embeddings``."""
+    None: the model's context (the tokenizer's ``model_max_length``, else the config's
+    ``max_position_embeddings``)."""
 
     on_bad_row: Literal["error", "skip"] = "error"
     """``error``: the first bad row stops the command, naming its line and what is wrong; ``skip``:
