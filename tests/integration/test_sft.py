@@ -173,6 +173,52 @@ def test_only_the_assistant_tokens_train(setup: dict[str, Path], tmp_path: Path)
     assert (after[user_at] - before[user_at]).mean() < 0.1
 
 
+def test_with_lora_the_written_model_is_the_base_with_the_adapters_merged(
+    setup: dict[str, Path], tmp_path: Path
+) -> None:
+    """A LoRA warm start writes a plain HF model (no adapter files) whose logprobs are the trained
+    adapters' on the base."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_async.lora import LoraConfig
+
+    spec = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+    rows = examples(setup)
+    engine = fsdp_engine(
+        setup["model"], dtype="float32", lr=1e-2, total_steps=4, micro_batch_tokens=256, lora=spec
+    )
+    trainer = SFTTrainer(engine, rows, batch_size=10, epochs=1, seed=0)
+    for step in range(trainer.total_steps):
+        trainer.step(step)
+    out = tmp_path / "merged"
+    engine.save_merged_hf(out)
+    assert not list(out.glob("adapter_*"))
+    seq = to_sequence(rows[0])
+    ids = torch.tensor([*seq.prompt_ids, *seq.completion_ids])
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32)
+    with torch.no_grad():
+        merged_logits, base_logits = (m(ids[None]).logits[0, :-1] for m in (model, base))
+    merged = torch.log_softmax(merged_logits, -1).gather(1, ids[1:, None])[:, 0][len(seq.prompt_ids) - 1 :]
+    base_lp = torch.log_softmax(base_logits, -1).gather(1, ids[1:, None])[:, 0][len(seq.prompt_ids) - 1 :]
+    trained = engine.compute_logprobs([seq])[0]
+    torch.testing.assert_close(merged, trained, atol=1e-5, rtol=1e-5)
+    assert (merged - base_lp).abs().max() > 1e-3  # the adapters moved the model
+
+
+def test_the_command_refuses_a_bad_row_naming_its_line(setup: dict[str, Path], tmp_path: Path) -> None:
+    """A bad row stops ``areal-async sft`` before training: one line on stderr naming the file and
+    line, exit code 2, nothing written."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "completion": "b"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    command = sft_command(setup, tmp_path / "run", sys.executable, "-m", "workers")
+    done = run([*command, "--set", f"sft.data={rows}"], check=False)
+    assert done.returncode == 2
+    assert f"BadRow: {rows}:2: no assistant message: nothing to train" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "sft").exists()
+
+
 def test_a_killed_run_resumes_from_its_checkpoint_on_the_same_curve(
     setup: dict[str, Path], baseline: Path
 ) -> None:
