@@ -103,11 +103,9 @@ def run_sft(cfg: RunConfig) -> dict[str, Any]:
         start_step=start,
         ranks=engine.world_size,
     )
-    last: dict[str, Any] = {}
     writer = MetricsWriter(cfg, root, start=start) if rank == 0 else None
 
     def on_metrics(record: dict[str, Any]) -> None:
-        last.update(record)
         if writer is not None:
             writer.write(record)
         log.info(
@@ -117,6 +115,7 @@ def run_sft(cfg: RunConfig) -> dict[str, Any]:
     done = trainer.run(root, cfg.checkpoint, start=start, eval_every=sft.eval_every, on_metrics=on_metrics)
     out = cfg.sft_out
     engine.save_merged_hf(out)
+    last = writer.last if writer is not None else {}
     if writer is not None:
         writer.close()
     summary = {
@@ -183,13 +182,18 @@ class MetricsWriter:
 
     def __init__(self, cfg: RunConfig, root: Path, *, start: int) -> None:
         self.path = root / "metrics.jsonl"
+        self.last: dict[str, Any] = {}
+        """The latest value of each key so far, resumed lines included (for the summary)."""
         if self.path.is_file():
             lines = self.path.read_text().splitlines() if start > 0 else []
             kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= start]
             write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))
+            for line in kept:
+                self.last.update(json.loads(line))
         self.tb = tensorboard_writer(cfg, root / "tensorboard")
 
     def write(self, record: dict[str, Any]) -> None:
+        self.last.update(record)
         append_jsonl(self.path, record)
         if self.tb is not None:
             for key, value in record.items():
