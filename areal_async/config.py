@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from areal_async.algo.staleness import default_max_inflight
 from areal_async.config_checks import non_negative, positive
-from areal_async.config_trainer import LossConfig, MegatronConfig, OptimizerConfig, TrainerConfig
+from areal_async.config_trainer import LossConfig, MegatronConfig, OptimizerConfig, SFTConfig, TrainerConfig
 
 __all__ = [
     "AgentConfig",
@@ -31,6 +31,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",
+    "SFTConfig",
     "SamplingConfig",
     "TrainerConfig",
     "WatchdogConfig",
@@ -471,6 +472,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    sft: SFTConfig | None = None
+    """Supervised warm start (``areal-async sft``); None: the run file has no ``sft`` section."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_-]+", self.name):
@@ -524,6 +527,18 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.dir.format(name=self.name))
+
+    @property
+    def sft_dir(self) -> Path:
+        """What ``areal-async sft`` writes besides its model: metrics, TensorBoard, checkpoints."""
+        return self.run_dir / "sft"
+
+    @property
+    def sft_out(self) -> Path:
+        """The model directory ``areal-async sft`` writes (``sft.out``)."""
+        if self.sft is None:
+            raise ValueError("the run file has no sft section; add one with at least sft.data")
+        return Path(self.sft.out.format(dir=self.run_dir, name=self.name))
 
     @property
     def weights_root(self) -> Path:

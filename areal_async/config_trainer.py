@@ -1,5 +1,6 @@
-"""The trainer's sections of the run configuration (``trainer:`` and its ``optimizer`` and ``loss``);
-the tree they belong to and its other sections: ``areal_async/config.py``.
+"""The trainer's sections of the run configuration (``trainer:`` and its ``optimizer`` and ``loss``,
+and ``sft:``, the supervised warm start on the same engines); the tree they belong to and its
+other sections: ``areal_async/config.py``.
 
 No torch here: the CLI imports the configuration and must start fast.
 """
@@ -280,3 +281,62 @@ class TrainerConfig:
                     f"{key}=triton runs only on CUDA, but device is {self.device!r}; "
                     f"set trainer.{key}=auto, or trainer.device=cuda"
                 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """``areal-async sft RUN.yaml``: supervised fine-tuning on the trainer's engines (docs/training.md,
+    "Supervised warm start"). Model, backend, LoRA, optimizer, micro-batch budget, dtype and the
+    checkpoint keys come from the run file's ``model``, ``trainer`` and ``checkpoint`` sections."""
+
+    data: str = ""
+    """JSON-lines file of training rows: ``{"messages": [...]}`` (OpenAI chat messages, tool calls
+    included) or ``{"prompt": ..., "completion": ...}``."""
+
+    eval_data: str | None = None
+    """JSON-lines file of held-out rows for ``eval_loss`` (None: ``eval_fraction`` of ``data``)."""
+
+    eval_fraction: float = 0.0
+    """Share of ``data`` held out for ``eval_loss`` (a seeded choice) when ``eval_data`` is null."""
+
+    epochs: int = 1
+    """Passes over the training rows; each epoch reshuffles them with the run's ``seed``."""
+
+    batch_size: int = 8
+    """Sequences per optimizer step (the last step of an epoch may hold fewer)."""
+
+    eval_every: int = 0
+    """Evaluate every this many steps (0: only after the last step)."""
+
+    out: str = "{dir}/sft/model"
+    """Where the trained model is written (``{dir}``: the run directory, ``{name}``: the run name):
+    a Hugging Face directory that ``model.path`` takes as is; LoRA adapters are merged into it."""
+
+    max_tokens: int | None = None
+    """Longest row in tokens (prompt + completion); a longer row is a bad row (``on_bad_row``).
+    None: the model's context (the tokenizer's ``model_max_length``, else the config's
+    ``max_position_embeddings``)."""
+
+    on_bad_row: Literal["error", "skip"] = "error"
+    """``error``: the first bad row stops the command, naming its line and what is wrong; ``skip``:
+    bad rows are left out, counted and logged by kind."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("sft.data is required: set it to the path of a JSON-lines file of training rows")
+        positive(self, "epochs", "batch_size")
+        non_negative(self, "eval_every")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(
+                f"sft.eval_fraction must be in [0, 1), got {self.eval_fraction!r}; "
+                "e.g. 0.05 holds out one row in twenty"
+            )
+        if self.eval_data is not None and self.eval_fraction > 0:
+            raise ValueError(
+                f"sft.eval_data ({self.eval_data!r}) and sft.eval_fraction ({self.eval_fraction}) both "
+                "name the held-out rows; set one of them"
+            )
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise ValueError(f"sft.max_tokens must be >= 2 or null, got {self.max_tokens!r}")
+        if self.on_bad_row not in ("error", "skip"):
+            raise ValueError(f"sft.on_bad_row must be 'error' or 'skip', got {self.on_bad_row!r}")

@@ -37,7 +37,7 @@ from typing import Any
 import anyio
 import structlog
 
-from areal_async.agents import Calculator, Episode, PythonTool, Tool, WorkflowContext, resolve_workflow
+from areal_async.agents import Episode, WorkflowContext, make_tools, resolve_workflow
 from areal_async.engines.base import GenerationResult, SamplingParams
 from areal_async.errors import ConfigError
 from areal_async.rewards import RewardPool
@@ -166,11 +166,6 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
         "episode/tool_calls": sum(calls) / n,
         "episode/tool_use_rate": sum(c > 0 for c in calls) / n,
     }
-
-
-def make_tools(names: list[str], timeout_s: float) -> tuple[Tool, ...]:
-    built: dict[str, Any] = {"calculator": Calculator, "python": lambda: PythonTool(timeout_s=timeout_s)}
-    return tuple(built[name]() for name in names)
 
 
 class Agent:

@@ -3,6 +3,7 @@
     areal-worker --role trainer --config configs/arith_cpu.yaml [--set trainer.batch_size=8 ...]
     areal-async run configs/arith_cpu.yaml          # embedded nats-server + one process per role
     areal-async inspect --config configs/arith_cpu.yaml [tail SUBJECT]
+    areal-async sft RUN.yaml [--set sft.epochs=2 ...]   # supervised warm start (torchrun: N ranks)
     areal-async prepare-model smollm2 [--out DIR]
 
 Imports are lazy: ``--help`` of both commands loads neither torch nor transformers.
@@ -155,6 +156,14 @@ def main_parser() -> argparse.ArgumentParser:
         help="LoRA runs: merge the adapter into the base model (a plain HF model)",
     )
 
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning on the run file's model and trainer (a warm start before RL); "
+        "under torchrun (-m workers sft) on every rank",
+    )
+    sft.add_argument("config", help="YAML run file with an sft section")
+    sft.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
     prep = sub.add_parser("prepare-model", help="convert a bundled model to a safetensors HF directory")
     prep.add_argument("name", choices=("smollm2",), help="model to prepare")
     prep.add_argument("--out", default=None, help="output directory (default: the areal-async cache)")
@@ -182,6 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = export_weights(cfg, args.out, version=args.version, merge_lora=args.merge_lora)
             sys.stdout.write(json.dumps(describe(path)) + "\n")
             return 0
+        if args.command == "sft":
+            from workers.sft import sft_main
+
+            return sft_main(args.config, args.overrides)
         if args.command == "prepare-model":
             from areal_async.models import prepare_smollm2
 

@@ -62,7 +62,13 @@ from bus.events import (
 )
 from bus.state import WEIGHTS_PUBLISHED, RunState, StateRecordError
 from bus.subjects import Streams
-from workers.common import append_jsonl, resolve_model_path, settle_or_dead_letter, weights_dir
+from workers.common import (
+    append_jsonl,
+    resolve_model_path,
+    settle_or_dead_letter,
+    tensorboard_writer,
+    weights_dir,
+)
 from workers.runtime import WorkerContext, io_thread_affinity
 from workers.weight_bus import BusWeightWriter
 from workers.weight_memory import WeightSender
@@ -162,7 +168,7 @@ class Trainer:
         self.weights_out, self.weights_in = anyio.create_memory_object_stream[tuple[int, Any]](1)
         self.last_write_s = 0.0
         self._bus_total = 0.0
-        self.tb = _tensorboard(self.cfg)
+        self.tb = tensorboard_writer(self.cfg, self.cfg.run_dir / "tensorboard")
         self.started = time.time()
         transport = self.cfg.weight_sync.transport
         in_memory = transport in ("gloo", "nccl", "cuda_ipc")
@@ -457,17 +463,6 @@ class Trainer:
 def _tensor_bytes(path: Path) -> int:
     """Bytes of a version directory's safetensors files (a model's or an adapter's)."""
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-
-
-def _tensorboard(cfg: RunConfig) -> Any:
-    if not cfg.logging.tensorboard:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard not installed: metrics.jsonl still has everything
-        log.warning("tensorboard not installed; metrics only in metrics.jsonl")
-        return None
-    return SummaryWriter(log_dir=str(cfg.run_dir / "tensorboard"))
 
 
 def _restore(cfg: RunConfig, learner: Any) -> set[str]:

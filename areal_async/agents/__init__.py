@@ -7,8 +7,8 @@
 - ``Tool``, ``invoke_tool``, ``Calculator`` (``tools.py``), ``PythonTool`` (``sandbox.py``).
 - ``parse_tool_calls``, ``run_tool_calls``, ``render_tool_prompt`` (``toolcall.py``): the
   ``<tool_call>{...}</tool_call>`` text format.
-- ``WorkflowContext``, ``single_turn``, ``multi_turn``, ``tool_use``, ``resolve_workflow``
-  (``workflows.py``).
+- ``WorkflowContext``, ``single_turn``, ``multi_turn``, ``tool_use``, ``resolve_workflow``,
+  ``make_tools`` (``workflows.py``).
 - ``OpenAIServer``, ``openai_workflow`` (``openai_server.py``), ``EpisodeRecorder``
   (``openai_recorder.py``): the OpenAI-compatible endpoint that trains ``openai``-based agent code.
 
@@ -41,6 +41,7 @@ from areal_async.agents.workflows import (
     Workflow,
     WorkflowContext,
     WorkflowSpecError,
+    make_tools,
     multi_turn,
     resolve_workflow,
     single_turn,
@@ -71,6 +72,7 @@ __all__ = [
     "WorkflowSpecError",
     "discounted_sum",
     "invoke_tool",
+    "make_tools",
     "multi_turn",
     "openai_workflow",
     "parse_tool_calls",

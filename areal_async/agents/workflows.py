@@ -23,6 +23,7 @@ its error is listed in ``episode.info["reward_errors"]``.
 
 ``resolve_workflow(spec)`` returns a built-in by name or imports ``package.module:function``;
 a spec that does not resolve to an ``async def`` raises WorkflowSpecError naming the fix.
+``make_tools(names, timeout_s)`` builds the built-in tools a run file names (``agent.tools``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import anyio
 
 from areal_async.agents.client import ChatSession, InferenceClient
 from areal_async.agents.episode import Episode
+from areal_async.agents.sandbox import PythonTool
 from areal_async.agents.toolcall import parse_tool_calls, run_tool_calls, tool_message
-from areal_async.agents.tools import Tool
+from areal_async.agents.tools import Calculator, Tool
 from areal_async.data.prompt import row_messages
 from areal_async.engines.base import SamplingParams
 from areal_async.errors import AreaLError
@@ -116,6 +118,15 @@ class WorkflowContext:
 
 
 Workflow = Callable[[InferenceClient, dict[str, Any], WorkflowContext], Awaitable[Episode]]
+
+
+def make_tools(names: Sequence[str], timeout_s: float) -> tuple[Tool, ...]:
+    """The built-in tools named (``agent.tools``: ``calculator``, ``python``), in order."""
+    built: dict[str, Callable[[], Tool]] = {
+        "calculator": Calculator,
+        "python": lambda: PythonTool(timeout_s=timeout_s),
+    }
+    return tuple(built[name]() for name in names)
 
 
 # ---- built-ins -------------------------------------------------------------------------------

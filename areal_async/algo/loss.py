@@ -35,6 +35,10 @@ on all ranks then add up to exactly the loss of the whole batch. L_i is always t
 Data-parallel gradient reduction that averages over ranks (FSDP's default) divides this sum by the world
 size: scale the loss by the world size, or reduce gradients by sum.
 
+Supervised fine-tuning (``sft_loss``, ``areal-async sft``) uses the same contract with the plain
+negative log-likelihood: ``loss = -sum_{i,t} logp_i,t * mask_i,t / denominator``, the denominator
+being the trained tokens of the whole step, so the step loss is the mean NLL per trained token.
+
 Stats (detached float32 0-d tensors): keys in ``MAX_STATS`` combine by max (all-reduce MAX), every other
 key by sum (all-reduce SUM); ``merge_loss_stats`` and ``summarize_loss_stats`` do this on one process.
 """
@@ -225,6 +229,16 @@ def policy_loss(
             "ratio_max": _masked_max(ratio_d, mask),
         }
     return loss, stats
+
+
+def sft_loss(
+    logprobs_BT: Tensor, mask_BT: Tensor, *, denominator: Tensor | float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Negative log-likelihood of the trained tokens (``mask_BT``) divided by the step's global
+    ``denominator`` (its trained tokens), and the stat ``sequences`` (rows with a trained token)."""
+    mask = mask_BT.to(logprobs_BT.dtype)
+    loss = -(logprobs_BT * mask).sum() / denominator
+    return loss, {"sequences": (mask.sum(-1) > 0).sum().detach().float()}
 
 
 def merge_loss_stats(*stats: Mapping[str, Tensor]) -> dict[str, Tensor]:

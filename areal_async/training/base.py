@@ -47,6 +47,11 @@ class TrainEngine(Protocol):
         """No-grad float32 logprobs of each sequence's completion tokens."""
         ...
 
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """Sums of per-rank values computed from each rank's shard over the trainer, each data shard
+        counted once."""
+        ...
+
     def snapshot_hf(
         self, *, dtype: torch.dtype | None = None, on_device: bool = False
     ) -> dict[str, torch.Tensor] | None:
@@ -61,6 +66,13 @@ class TrainEngine(Protocol):
         self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
     ) -> list[dict[str, Any]]:
         """Write an HF (or adapter) directory atomically; its manifest on every rank."""
+        ...
+
+    def save_merged_hf(
+        self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
+    ) -> list[dict[str, Any]]:
+        """Write a full HF model directory atomically, any LoRA adapters merged in; its manifest on
+        every rank."""
         ...
 
     def write_hf(

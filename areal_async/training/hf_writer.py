@@ -1,9 +1,10 @@
 """Writing a trainer's weights as a Hugging Face directory, shared by both backends.
 
 `HFWriter` gives a backend `save_hf` (gather with `snapshot_hf`, write on rank 0, manifest on every
-rank) and `write_hf` (a full HF directory: config in the weights' dtype, model.safetensors and the
-tokenizer files of `model_path`; or with `lora` a PEFT adapter directory), both atomic. The backend
-provides `snapshot_hf` and the attributes below.
+rank), `write_hf` (a full HF directory: config in the weights' dtype, model.safetensors and the
+tokenizer files of `model_path`; or with `lora` a PEFT adapter directory) and `save_merged_hf` (a
+full HF directory also under `lora`, the adapters merged in), all atomic. The backend provides
+`snapshot_hf`, `merged_hf` and the attributes below.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class HFWriter:
     ) -> dict[str, torch.Tensor] | None:
         raise NotImplementedError
 
+    def merged_hf(self, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        raise NotImplementedError
+
     def save_hf(
         self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
     ) -> list[dict[str, Any]]:
@@ -69,6 +73,19 @@ class HFWriter:
             manifest = box[0]
         return manifest
 
+    def save_merged_hf(
+        self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
+    ) -> list[dict[str, Any]]:
+        """Write a full HF model directory to `path` atomically, with any LoRA adapters merged into
+        the base weights (a model `model.path` loads as is); its manifest on every rank. Collective."""
+        tensors = self.merged_hf(dtype=dtype)
+        manifest = self._write_model_dir(Path(path), tensors) if tensors is not None else []
+        if self.distributed:
+            box: list[Any] = [manifest]
+            dist.broadcast_object_list(box, src=0)
+            manifest = box[0]
+        return manifest
+
     def write_hf(
         self, path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]
     ) -> list[dict[str, Any]]:
@@ -78,10 +95,23 @@ class HFWriter:
         Returns the manifest `[{name, shape, dtype, sha256}]`. No collectives, no shared state:
         safe in a background thread.
         """
+        if self.lora is None:
+            return self._write_model_dir(Path(path), tensors)
         start = time.perf_counter()
-        path = Path(path)
+        manifest = lora_lib.write_adapter_dir(path, tensors, self.lora, base_model=str(self.model_path))
+        log.info(
+            "adapter saved",
+            path=str(path),
+            tensors=len(manifest),
+            seconds=round(time.perf_counter() - start, 3),
+        )
+        return manifest
 
-        def add_files(tmp: Path) -> None:  # config in the weights' dtype, and the tokenizer
+    def _write_model_dir(self, path: Path, tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+        """A full HF directory: config in the weights' dtype, model.safetensors, the tokenizer files."""
+        start = time.perf_counter()
+
+        def add_files(tmp: Path) -> None:
             config = copy.deepcopy(self.config)
             config.dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
             config.save_pretrained(tmp)
@@ -89,12 +119,9 @@ class HFWriter:
                 if (self.model_path / name).is_file():
                     shutil.copy2(self.model_path / name, tmp / name)
 
-        if self.lora is not None:
-            manifest = lora_lib.write_adapter_dir(path, tensors, self.lora, base_model=str(self.model_path))
-        else:
-            manifest = write_weights_dir(path, tensors, add_files)
+        manifest = write_weights_dir(path, tensors, add_files)
         log.info(
-            "adapter saved" if self.lora else "weights saved",
+            "weights saved",
             path=str(path),
             tensors=len(manifest),
             seconds=round(time.perf_counter() - start, 3),

@@ -176,6 +176,19 @@ def make_loss_fn(loss: LossConfig, *, max_new_tokens: int, denominator: float) -
     return loss_fn
 
 
+def make_engine(cfg: RunConfig, model_path: str, *, temperature: float | None = None) -> TrainEngine:
+    """The training engine of one rank that ``trainer.backend`` names, built from the trainer section,
+    the run's seed and ``temperature`` (None: the rollouts' sampling temperature, the policy whose
+    logprobs RL trains; supervised fine-tuning passes 1)."""
+    t = cfg.trainer
+    temperature = temperature or cfg.rollout.sampling.temperature or 1.0
+    if t.backend == "megatron":
+        from areal_async.training.megatron.engine import MegatronTrainEngine
+
+        return MegatronTrainEngine(model_path, t, seed=cfg.seed, temperature=temperature)
+    return FSDPTrainEngine(model_path, t, seed=cfg.seed, temperature=temperature)
+
+
 def shard(seqs: Sequence[TrainSequence], world_size: int) -> list[list[TrainSequence]]:
     """Round-robin split, balanced by token count (longest first)."""
     shards: list[list[TrainSequence]] = [[] for _ in range(world_size)]
@@ -212,13 +225,7 @@ class Learner:
         self.max_new_tokens = cfg.rollout.sampling.max_new_tokens
         temperature = cfg.rollout.sampling.temperature or 1.0
         set_torch_threads(t.num_threads)
-        self.engine: TrainEngine
-        if t.backend == "megatron":
-            from areal_async.training.megatron.engine import MegatronTrainEngine
-
-            self.engine = MegatronTrainEngine(model_path, t, seed=cfg.seed, temperature=temperature)
-        else:
-            self.engine = FSDPTrainEngine(model_path, t, seed=cfg.seed, temperature=temperature)
+        self.engine = make_engine(cfg, model_path)
         self.ref: FSDPTrainEngine | None = None
         if self.loss.kl_coef > 0:
             # Forward only, on FSDP2 on both backends: no adapters, compilation or recomputation, and

@@ -412,6 +412,14 @@ class TrainLoop:
         out_maxes.update(zip(max_keys, max_list[len(maxes) :], strict=True))
         return out_sums, out_maxes
 
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """Sums of per-rank values computed from each rank's shard (losses, token counts) over the
+        trainer, each data shard counted once, as a step's sums are. Collective."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        if self.distributed:
+            self._sum_over_ranks(t)
+        return t.tolist()
+
     def _sum_over_ranks(self, values: torch.Tensor) -> None:
         """In place: the step's sums (losses, token counts, stats) over the ranks that hold different
         data, each counted once."""

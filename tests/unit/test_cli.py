@@ -43,6 +43,16 @@ def test_worker_with_bad_config_exits_2_with_message(tmp_path) -> None:
     assert "Traceback" not in out.stderr
 
 
+def test_sft_without_an_sft_section_exits_2_naming_the_fix(tmp_path) -> None:
+    """``areal-async sft`` on a run file without ``sft`` says what to add: one line on stderr, exit 2."""
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("trainer:\n  batch_size: 2\n")
+    out = _run(f"from workers import cli; raise SystemExit(cli.main(['sft', {str(plain)!r}]))")
+    assert out.returncode == 2
+    assert "ConfigError: the run file has no sft section" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_unknown_role_is_a_usage_error() -> None:
     """--role must be one of the five roles."""
     out = _run("from workers import cli; cli.worker_main(['--role','critic','--config','x.yaml'])")
