@@ -361,7 +361,7 @@ class ServerRelay:
         """Install ``version`` (``flat``: its tensors packed in name order, ``manifest`` encoded) on
         ``engine``'s servers; ``location`` is its disk copy, which a revived server reloads."""
         plan = plan_buckets(decode_manifest(manifest), self.sender.bucket_bytes)
-        held = self.sender.hold(version, manifest, cut_buckets(flat, plan))
+        held = await anyio.to_thread.run_sync(self.sender.hold, version, manifest, cut_buckets(flat, plan))
         ev = WeightsLoad(
             policy_version=version,
             path=location,
