@@ -360,6 +360,9 @@ class ServerRelay:
     ) -> None:
         """Install ``version`` (``flat``: its tensors packed in name order, ``manifest`` encoded) on
         ``engine``'s servers; ``location`` is its disk copy, which a revived server reloads."""
+        problem = engine.group_problem()
+        if problem is not None:  # refused before the sender waits for members that cannot come
+            raise TransferError(f"the hop into the engine's servers cannot start: {problem}")
         plan = plan_buckets(decode_manifest(manifest), self.sender.bucket_bytes)
         held = await anyio.to_thread.run_sync(self.sender.hold, version, manifest, cut_buckets(flat, plan))
         ev = WeightsLoad(

@@ -41,7 +41,7 @@ from areal_async.models import load_causal_lm, load_tokenizer, prepare_smollm2
 from bus.events import WeightsLoad
 from tests.conftest import BusFactory
 from tests.helpers.adapters import peft_reference, write_random_adapter
-from tests.helpers.vllm_server import vllm_server
+from tests.helpers.vllm_server import free_port, vllm_server
 from tests.integration.test_weight_bus import corrupt_chunk, weights_bus
 from workers.generation import Generator
 from workers.runtime import WorkerContext
@@ -367,6 +367,7 @@ async def test_versions_from_the_bus_reach_the_server_and_a_damaged_one_is_not_s
     vllm_url: str,
     prompts: list[list[int]],
     smollm2: Path,
+    perturbed: Path,
     oracles: dict[int, torch.nn.Module],
     bus_factory: BusFactory,
     run_name: str,
@@ -376,7 +377,9 @@ async def test_versions_from_the_bus_reach_the_server_and_a_damaged_one_is_not_s
     trainer's version from the weights bucket (a tied model's snapshot, no lm_head) and hands it to
     its server over gloo, which serves it (the version's greedy tokens and log-probs). A version
     whose delta is damaged is refused with the reason logged: without a disk copy the server keeps
-    serving the previous version; with one, the worker loads that instead."""
+    serving the previous version; with one, the worker loads that instead. A hop that cannot reach
+    every server of the engine (one is down) is refused at once with the reason logged, and the
+    worker loads the disk copy."""
     cfg = RunConfig(
         name=run_name,
         dir=str(tmp_path / "{name}"),
@@ -421,7 +424,22 @@ async def test_versions_from_the_bus_reach_the_server_and_a_damaged_one_is_not_s
             await generator.load(2, str(disk_copy))
         assert [e["via"] for e in logs if e["event"] == "weights loaded" and "via" in e] == ["disk"]
         [restored] = await engine.generate(requests_for(prompts[:1], greedy, "v2"))
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with VLLMEngine([vllm_url, dead], startup_timeout_s=2, engine_id="gen-2") as engine:
+        ctx = WorkerContext(
+            cfg=cfg, role="generation", worker_id="gen-2", bus=await weights_bus(bus_factory, "gen-2")
+        )
+        generator = Generator(ctx, engine, load_tokenizer(smollm2))
+        link_files(perturbed, cfg.weights_root / "v1")
+        with capture_logs() as logs:
+            await generator.load(1, str(cfg.weights_root / "v1"))
+        failed = [e for e in logs if e["event"] == "weights from the bus failed; loading the disk copy"]
+        assert failed and "1 of 2 servers are live" in failed[0]["error"], logs
+        assert [e["via"] for e in logs if e["event"] == "weights loaded" and "via" in e] == ["disk"]
+        [fallback] = await engine.generate(requests_for(prompts[:1], greedy, "fallback"))
     assert served.versions == kept.versions == [1] * 16 and restored.versions == [2] * 16
+    assert fallback.token_ids == served.token_ids and fallback.versions == [1] * 16
     assert served.token_ids != before.token_ids, "greedy output changes with the weights"
     assert kept.token_ids == served.token_ids and kept.logprobs == served.logprobs
     assert restored.token_ids == before.token_ids
