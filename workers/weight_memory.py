@@ -64,6 +64,7 @@ KEEP = 2
 """Prepared versions held in memory: the newest, and the one engines may still be copying."""
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+"""Host names of server URLs that put the server on the generation worker's own host."""
 
 
 @dataclass
