@@ -327,6 +327,10 @@ class RewardConfig:
         positive(self, "num_workers", "timeout_s")
 
 
+BUS_ENGINES = ("local", "vllm")
+"""The ``rollout.engine`` kinds ``weight_sync.transport: bus`` serves."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class WeightSyncConfig:
     timeout_s: float = 300.0
@@ -346,10 +350,12 @@ class WeightSyncConfig:
     In memory, beside the disk copy (still written, off the step path, for late joiners and as
     the fallback): ``cuda_ipc`` (trainer and local engines on GPUs of one host: the trainer
     exports one buffer, engines copy from it), ``nccl`` (local engines on other GPUs: bucketed
-    broadcast from the trainer), ``gloo`` (the same over TCP, for CPU engines). Remote engines
-    (vLLM, SGLang) read the disk copy. ``bus``: through the run's JetStream object store, as
-    anchors and deltas (local engines; every engine, late joiners included, reads it there; the
-    disk copy is the fallback where engines can read it)."""
+    broadcast from the trainer), ``gloo`` (the same over TCP, for CPU engines); vLLM servers take
+    ``gloo`` and ``nccl`` too, SGLang servers read the disk copy. ``bus``: through the run's
+    JetStream object store, as anchors and deltas (local and vLLM engines, ``BUS_ENGINES``; every
+    generation worker, late joiners included, rebuilds each version from there, and hands a vLLM
+    engine's servers the version over gloo; the disk copy is the fallback where engines can read
+    it)."""
 
     anchor_every: int = 8
     """``bus``: a full version (anchor) every this many versions; the ones between are deltas
@@ -503,11 +509,11 @@ class RunConfig:
                 f"weight_sync.transport {transport!r} moves weights between GPUs, but trainer.device is "
                 f"{self.trainer.device!r}; use transport gloo (CPU) or disk, or train on cuda"
             )
-        if transport == "bus" and self.rollout.engine != "local":
+        if transport == "bus" and self.rollout.engine not in BUS_ENGINES:
             raise ValueError(
-                f"weight_sync.transport 'bus' serves local engines only, but rollout.engine is "
-                f"{self.rollout.engine!r} (its servers load weights from disk or a process group); "
-                "use transport disk, gloo or nccl with remote engines, or rollout.engine: local"
+                f"weight_sync.transport 'bus' serves {' and '.join(BUS_ENGINES)} engines, but rollout.engine "
+                f"is {self.rollout.engine!r} (its servers load weights from disk only); use transport disk "
+                f"with it, or rollout.engine: {' or '.join(BUS_ENGINES)}"
             )
         if transport == "bus" and self.bus.url == "embedded":
             room = self.bus.max_payload_mb * 2**20 - 4096

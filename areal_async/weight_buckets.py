@@ -5,7 +5,9 @@ The primitives both ends share; the trainer's and the engine's sides are ``worke
 Both ends hold the same manifest, a list of ``(name, shape, dtype)``. ``plan_buckets`` sorts it by
 name and cuts it into buckets of at most ``bucket_bytes`` (a tensor larger than that is a bucket of
 its own). ``pack`` copies a bucket's tensors into one flat ``uint8`` buffer on the sender's
-device; ``unpack`` gives the receiver views of the tensors inside a buffer.
+device; ``unpack`` gives the receiver views of the tensors inside a buffer. A version already
+packed whole (the bus reader's buffer, ``workers/weight_bus.py``) is sent as ``cut_buckets``
+views of it, without a copy.
 
 Group transports (``gloo`` on CPU, ``nccl`` between GPUs): the sender (rank 0) serves a
 ``TCPStore``; every transfer names a group, and the members open a process group of their own on
@@ -159,6 +161,20 @@ def unpack(bucket: Sequence[Slot], buffer: torch.Tensor) -> dict[str, torch.Tens
     if buffer.numel() != need:
         raise TransferError(f"a bucket of {buffer.numel()} bytes arrived where the plan needs {need}")
     return {s.name: buffer[s.offset : s.offset + s.nbytes].view(s.dtype).reshape(s.shape) for s in bucket}
+
+
+def cut_buckets(buffer: torch.Tensor, buckets: Sequence[Sequence[Slot]]) -> list[torch.Tensor]:
+    """A whole version packed as one bucket (``plan_buckets(manifest, None)``), as views cut along
+    ``buckets`` (a plan of the same manifest): both plans lay the tensors out in name order, so
+    each bucket is a contiguous slice of the whole, and nothing is copied."""
+    out, start = [], 0
+    for bucket in buckets:
+        size = sum(s.nbytes for s in bucket)
+        out.append(buffer[start : start + size])
+        start += size
+    if start != buffer.numel():
+        raise TransferError(f"a version of {buffer.numel()} bytes cut into buckets of {start} bytes")
+    return out
 
 
 # ---- group transports -------------------------------------------------------------------------

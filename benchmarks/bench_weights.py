@@ -33,12 +33,18 @@ values (the ``weights.published`` -> ``weights.loaded`` path, without the bus's 
   ``last_step`` compares the codec's delta of the last step with XOR and the plain difference
   (byte planes, zstd) and with changed indices + values, in % of the version.
 
+  With ``--run-dir DIR`` the trajectory is instead a finished run's saved versions: the longest
+  stretch of consecutive ``DIR/weights/v<N>`` directories (a run keeps ``weight_sync.keep_versions``
+  of them, 2 by default, so raise it for the run; checkpoints are sharded optimizer state, not
+  read), the first an anchor, each next one a delta, in each of ``--dtypes``.
+
 ``--device cpu`` runs the engine on one thread (the generation worker's one core in the CPU
 configs) for ``disk``, ``tmpfs`` and ``lora``; ``135M`` is the SmolLM2-135M body (Qwen2 biases).
 
     python -m benchmarks.bench_weights                 # CUDA: 0.5B and 1.5B, three versions each
     python -m benchmarks.bench_weights --device cpu --shapes 135M --transports lora tmpfs --versions 5
     python -m benchmarks.bench_weights --device cpu --shapes 135M --transports bus --versions 3
+    python -m benchmarks.bench_weights --device cpu --transports bus --run-dir runs/demo --dtypes bfloat16
 """
 
 from __future__ import annotations
@@ -254,8 +260,43 @@ def codec_alternatives(new: np.ndarray, base: np.ndarray, word_bytes: int) -> di
     }
 
 
-async def _bus_case(shape: str, lr: float, args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
-    """One trajectory through a weights bucket per dtype; the rows of the module docstring."""
+def saved_versions(run_dir: Path) -> list[Path]:
+    """A run dir's longest stretch of consecutive saved versions (``weights/v<N>``), oldest first.
+    A run keeps ``weight_sync.keep_versions`` of them (2 by default): raise it for a run to measure."""
+    root = run_dir / "weights"
+    found = sorted(
+        int(p.name[1:]) for p in root.glob("v*") if p.name[1:].isdigit() and any(p.glob("*.safetensors"))
+    )
+    best: list[int] = []
+    current: list[int] = []
+    for v in found:
+        current = [*current, v] if current and current[-1] == v - 1 else [v]
+        best = max(best, current, key=len)
+    if len(best) < 2:
+        raise SystemExit(
+            f"{root} holds no two consecutive versions (found {found}); run with "
+            "--set weight_sync.keep_versions=N (N > the steps) to keep them"
+        )
+    return [root / f"v{v}" for v in best]
+
+
+def saved_trajectory(dirs: list[Path], dtypes: list[str]) -> Any:
+    """Yields ``{dtype: snapshot}`` for each saved version in ``dirs`` (as the trainer wrote it)."""
+    from safetensors.torch import load_file
+
+    for path in dirs:
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        yield {d: {k: v.to(getattr(torch, d)) for k, v in state.items()} for d in dtypes}
+
+
+async def _bus_case(
+    case: dict[str, Any], trajectory: Any, last: int, args: argparse.Namespace, url: str
+) -> list[dict[str, Any]]:
+    """One trajectory (``{dtype: snapshot}`` per version, ``last`` + 1 of them) through a weights
+    bucket per dtype; the rows of the module docstring, each with ``case``'s fields (its name a
+    template of ``{dtype}``)."""
     from areal_async.config import RunConfig, WeightSyncConfig
     from bus import ConnectOptions, connect
     from workers.weight_bus import BusWeightReader, BusWeightWriter, flatten
@@ -263,21 +304,19 @@ async def _bus_case(shape: str, lr: float, args: argparse.Namespace, url: str) -
     sides = {}
     for dtype in args.dtypes:
         run = f"bench{dtype}{len(sides)}{int(time.time())}"
-        cfg = RunConfig(
-            name=run, weight_sync=WeightSyncConfig(transport="bus", anchor_every=args.versions + 1)
-        )
+        cfg = RunConfig(name=run, weight_sync=WeightSyncConfig(transport="bus", anchor_every=last + 1))
         writer_bus = await connect(ConnectOptions(url=url, name="trainer"), run)
         reader_bus = await connect(ConnectOptions(url=url, name="generation"), run)
         await writer_bus.provision(weights_bucket=True)
         sides[dtype] = (cfg, BusWeightWriter(cfg, writer_bus), BusWeightReader(cfg, reader_bus), [])
     params: dict[str, dict[str, torch.Tensor]] = {}
     alternatives: dict[str, dict[str, float]] = {}
-    for version, snapshots in enumerate(training_trajectory(shape, lr, args.versions, args.dtypes)):
+    for version, snapshots in enumerate(trajectory):
         for dtype, snapshot in snapshots.items():
             cfg, writer, reader, seen = sides[dtype]
             if dtype not in params:  # the engine's parameters
                 params[dtype] = {k: torch.empty_like(v) for k, v in snapshot.items()}
-            if version == args.versions and writer.held is not None:  # the last step, untimed
+            if version == last and writer.held is not None:  # the last step, untimed
                 flat, _, word_bytes = flatten(snapshot)
                 alternatives[dtype] = codec_alternatives(flat, writer.held.flat, word_bytes)
             cpu, t0 = time.process_time(), time.perf_counter()
@@ -294,18 +333,17 @@ async def _bus_case(shape: str, lr: float, args: argparse.Namespace, url: str) -
     rows = []
     for dtype, (cfg, writer, _, seen) in sides.items():
         t0 = time.perf_counter()
-        _, digest = await BusWeightReader(cfg, writer.bus).fetch(args.versions)
+        _, digest = await BusWeightReader(cfg, writer.bus).fetch(last)
         join_s = time.perf_counter() - t0
         assert digest == seen[-1]["digest"]
         anchor, deltas = seen[0], seen[1:]
         med = {key: statistics.median(d[key] for d in deltas) for key in deltas[0] if key != "digest"}
         rows.append(
             {
-                "case": f"{shape} bus {dtype} lr={lr:g}",
-                "shape": shape,
+                **case,
+                "case": case["case"].format(dtype=dtype),
                 "transport": "bus",
                 "dtype": dtype,
-                "lr": lr,
                 "gb": round(anchor["bytes"] / 1e9, 3),
                 "anchor_mb": round(anchor["anchor_bytes"] / 1e6, 2),
                 "delta_mb": round(med["delta_bytes"] / 1e6, 2),
@@ -332,9 +370,17 @@ def bus_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows = []
     with tempfile.TemporaryDirectory() as store, EmbeddedServer(store, max_payload=8 * 2**20) as server:
+        if args.run_dir is not None:
+            dirs = saved_versions(Path(args.run_dir))
+            versions = f"v{dirs[0].name[1:]}-v{dirs[-1].name[1:]}"
+            case = {"case": f"{Path(args.run_dir).name} {versions} bus {{dtype}}", "run_dir": args.run_dir}
+            trajectory = saved_trajectory(dirs, args.dtypes)
+            return anyio.run(_bus_case, case, trajectory, len(dirs) - 1, args, str(server.url))
         for shape in args.shapes:
             for lr in args.lrs:
-                rows += anyio.run(_bus_case, shape, lr, args, str(server.url))
+                case = {"case": f"{shape} bus {{dtype}} lr={lr:g}", "shape": shape, "lr": lr}
+                trajectory = training_trajectory(shape, lr, args.versions, args.dtypes)
+                rows += anyio.run(_bus_case, case, trajectory, args.versions, args, str(server.url))
     return rows
 
 
@@ -353,6 +399,11 @@ def main() -> None:
     parser.add_argument("--lrs", nargs="+", type=float, default=[1e-5, 1e-6], help="bus: learning rates")
     parser.add_argument(
         "--dtypes", nargs="+", default=["bfloat16", "float32"], help="bus: dtypes each version is sent in"
+    )
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        help="bus: the saved versions of this run dir (weights/v<N>, consecutive) instead of a random-init trajectory",
     )
     harness.add_output_args(parser)
     args = parser.parse_args()
@@ -450,7 +501,12 @@ def main() -> None:
         + "disk/tmpfs/lora include the fsynced write; cuda_ipc includes pack, digest, export, map, digest, copy; "
         "lora: rank-r adapters of every linear module, merged into the engine's weights before they are "
         "served on CUDA, served through low-rank hooks until the merge lands on the CPU (merge_s). "
-        "bus: versions of an AdamW trajectory (random-init model, random tokens) through a weights bucket "
+        + (
+            "bus: versions of an AdamW trajectory (random-init model, random tokens)"
+            if args.run_dir is None
+            else f"bus: the saved versions of the run dir {args.run_dir}"
+        )
+        + " through a weights bucket "
         "of a local nats-server, writer and reader in one process taking turns; the engine's part is "
         "fetch + decode + sha256 check + copy into preallocated parameters.",
     )

@@ -14,8 +14,9 @@ every request from prompt + tokens so far (the engine's contract); the worker th
 answers ``weights.loaded``. A worker that joins a running run first loads the version
 the others serve. With ``weight_sync.transport: bus`` every load, a joining or restarted
 worker's included, rebuilds the version from the run's weights bucket and checks its digest
-(``workers/weight_bus.py``); when that fails the worker loads the disk copy if it has one,
-logging why.
+(``workers/weight_bus.py``); a local engine takes the tensors as they are, a vLLM engine's servers
+receive them from this worker over gloo (``ServerRelay``, ``workers/weight_memory.py``). When
+either step fails the worker loads the disk copy if it has one, logging why.
 
 Agents: every worker also answers ``generate`` requests (``GenerateCall`` -> ``GenerateReply``,
 core NATS request/reply, queue group ``generation``: one worker answers each call). With a
@@ -142,10 +143,16 @@ class Generator:
         self.tokens_out = 0
         self.receiver: Any = None
         self.bus_reader: Any = None
+        self.relay: Any = None
         if self.cfg.weight_sync.transport == "bus":
             from workers.weight_bus import BusWeightReader
 
             self.bus_reader = BusWeightReader(self.cfg, ctx.bus)
+            if "gloo" in getattr(engine, "group_transports", ()):  # remote servers: one hop more
+                from workers.weight_memory import ServerRelay, relay_host
+
+                host = relay_host(self.cfg.rollout.server_urls)
+                self.relay = ServerRelay(self.cfg, ctx.worker_id, host)
         transports = engine_transports(engine, self.cfg.weight_sync.transport)
         if transports:
             from workers.weight_memory import WeightReceiver
@@ -170,7 +177,7 @@ class Generator:
             location = checked_weights_path(self.cfg, path)
             if self.bus_reader is not None:
                 try:
-                    digest = await self._load_from_bus(version)
+                    digest = await self._load_from_bus(version, str(location))
                     via = "bus"
                 except Exception as exc:  # the disk copy of the same version, where this host has it
                     fallback = f"{type(exc).__name__}: {exc}"
@@ -215,10 +222,14 @@ class Generator:
             policy_version=self.engine.version,
         )
 
-    async def _load_from_bus(self, version: int) -> str:
+    async def _load_from_bus(self, version: int, location: str) -> str:
         """Rebuild ``version`` from the weights bucket (verified) and load it; returns its digest."""
         tensors, digest = await self.bus_reader.fetch(version)
-        await self.engine.load_weights(version, tensors)
+        if self.relay is None:
+            await self.engine.load_weights(version, tensors)
+        else:
+            held = self.bus_reader.held
+            await self.relay.load(self.engine, version, location, held.packed(), held.manifest)
         return digest
 
     async def catch_up(self) -> None:

@@ -25,11 +25,12 @@ the bucket; the generation role may only read it (``bus/role_permissions.py``).
 
 Reader (generation, ``BusWeightReader.fetch``): read every slot's record (one direct get each),
 plan the chain to the target version (its newest record's digest): deltas back to the version
-the engine holds when it can, else back to an anchor. Each object is read through an ephemeral
+the reader holds when it can, else back to an anchor. Each object is read through an ephemeral
 pull consumer; every chunk is checked against its digest, the rebuilt version against the
 version digest. A failed object is logged with the reason, its slot excluded, and the chain
 planned again (the older anchor); with no chain left ``BusWeightsUnavailable`` sends the caller
-to the disk copy. Nothing unverified is returned.
+to the disk copy. Nothing unverified is returned. A vLLM engine's servers get the rebuilt
+version from the generation worker in memory (``ServerRelay``, ``workers/weight_memory.py``).
 
 JetStream requests that time out or get 503 while the bucket's stream has no leader are retried
 for up to the connection's ``leader_wait_s`` (``bus.elections``); a put is made again whole.
@@ -310,6 +311,10 @@ class Held:
     digest: str
     flat: np.ndarray
     manifest: list[list[Any]]
+
+    def packed(self) -> torch.Tensor:
+        """``flat`` as a 1-D uint8 tensor (the same memory)."""
+        return torch.from_numpy(self.flat)
 
 
 class BusWeightWriter:

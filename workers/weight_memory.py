@@ -15,6 +15,11 @@ A transfer that fails or times out is logged and the group dropped; the engines 
 copy. For ``cuda_ipc`` there is nothing to serve: engines map the exported buffer.
 
 A generation worker's ``WeightReceiver`` receives an offered version (see its docstring).
+
+``ServerRelay`` is the same hop one level down, for ``weight_sync.transport: bus`` with a remote
+engine (vLLM): the generation worker, which rebuilt the version from the weights bucket, is the
+sender (a ``WeightSender`` over gloo on a store of its own) and its engine's servers the members,
+receiving through ``WeightReceiver.receive_remote`` exactly as from a trainer.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import json
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import structlog
@@ -33,6 +40,7 @@ import torch
 from areal_async.config import RunConfig
 from areal_async.weight_buckets import (
     TransferError,
+    cut_buckets,
     decode_manifest,
     digest,
     encode_manifest,
@@ -55,6 +63,9 @@ log = structlog.get_logger()
 KEEP = 2
 """Prepared versions held in memory: the newest, and the one engines may still be copying."""
 
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+"""Host names of server URLs that put the server on the generation worker's own host."""
+
 
 @dataclass
 class Prepared:
@@ -62,20 +73,39 @@ class Prepared:
     buffers: list[torch.Tensor]
 
 
-def transfer_host(cfg: RunConfig) -> str:
-    """The address engines reach the trainer's store at (``weight_sync.host``)."""
-    if cfg.weight_sync.host:
-        return cfg.weight_sync.host
+def host_address() -> str:
+    """This host's name resolved, else 127.0.0.1."""
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
 
 
+def transfer_host(cfg: RunConfig) -> str:
+    """The address engines reach the trainer's store at (``weight_sync.host``)."""
+    return cfg.weight_sync.host or host_address()
+
+
+def relay_host(server_urls: Sequence[str]) -> str:
+    """The address a generation worker's servers reach its relay store at: loopback when every
+    server listens on this host's loopback, else this host's address."""
+    hosts = {urlsplit(url).hostname for url in server_urls}
+    return "127.0.0.1" if hosts and hosts <= LOOPBACK else host_address()
+
+
 class WeightSender:
-    def __init__(self, cfg: RunConfig, device: str | torch.device) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        device: str | torch.device,
+        *,
+        transport: str | None = None,
+        host: str | None = None,
+        keep: int = KEEP,
+    ) -> None:
+        """``transport`` and ``host``: other than the run's (``ServerRelay``); ``keep``: versions held."""
         self.cfg = cfg
-        self.transport = cfg.weight_sync.transport
+        self.transport = transport or cfg.weight_sync.transport
         if self.transport == "disk":
             raise ValueError("WeightSender serves in-memory transports only")
         # gloo moves CPU buffers; nccl and cuda_ipc stay on the trainer's GPU.
@@ -85,8 +115,9 @@ class WeightSender:
         self.prepared: OrderedDict[int, Prepared] = OrderedDict()
         self.store: Any = None
         self.address = ""
+        self.keep = keep
         if self.transport in ("gloo", "nccl"):
-            host = transfer_host(cfg)
+            host = host or transfer_host(cfg)
             self.store = serve_store(host, 0, self.timeout_s)
             self.address = f"{host}:{self.store.port}"
         self.group: tuple[str, Any] | None = None
@@ -106,18 +137,25 @@ class WeightSender:
         views: dict[str, torch.Tensor] = {}
         for bucket, buffer in zip(plan, buffers, strict=True):
             views.update(unpack(bucket, buffer))
+        self.hold(version, encode_manifest(manifest), buffers)
+        return views
+
+    def hold(self, version: int, manifest: list[list[Any]], buffers: list[torch.Tensor]) -> Prepared:
+        """Keep ``version``, already packed into ``buffers`` (the buckets of ``plan_buckets`` of the
+        encoded ``manifest`` at ``bucket_mb``; one whole buffer for ``cuda_ipc``), with its offer."""
         offer = TransferOffer(
             transport=self.transport,
-            manifest=encode_manifest(manifest),
+            manifest=manifest,
             digests=[digest(b) for b in buffers],
             bucket_bytes=self.bucket_bytes,
             address=self.address,
-            handle=export_cuda(buffers[0]) if whole and buffers else b"",
+            handle=export_cuda(buffers[0]) if self.transport == "cuda_ipc" and buffers else b"",
         )
-        self.prepared[version] = Prepared(offer, buffers)
-        while len(self.prepared) > KEEP:
+        held = self.prepared[version] = Prepared(offer, buffers)
+        self.prepared.move_to_end(version)
+        while len(self.prepared) > self.keep:
             self.prepared.popitem(last=False)
-        return views
+        return held
 
     def offer(self, version: int) -> TransferOffer | None:
         held = self.prepared.get(version)
@@ -157,9 +195,11 @@ class WeightSender:
             if ev.group in self.failed:  # its store keys are stale: it cannot form again
                 log.warning("weight transfer refused: its group failed before", group=ev.group)
                 return
-            await self._send(ev, held)
+            await self.send(ev, held)
 
-    async def _send(self, ev: WeightsLoad, held: Prepared) -> None:
+    async def send(self, ev: WeightsLoad, held: Prepared) -> None:
+        """Broadcast ``held`` to the group ``ev`` names (opened on the first send under that name);
+        a failure is logged, not raised: the members see it themselves."""
         started = time.monotonic()
         try:
             world_size, _ = group_layout(ev)
@@ -296,3 +336,53 @@ class WeightReceiver:
             "bucket_bytes": str(offer.bucket_bytes),
             "timeout_s": str(self.timeout_s),
         }
+
+
+class ServerRelay:
+    """A generation worker's hop into its remote engine's servers (``weight_sync.transport: bus``
+    with vLLM): ``load`` sends a version the worker holds packed whole (the bus reader's buffer) to
+    every server of its engine and has them install it.
+
+    The worker is rank 0 of a gloo group on a store of its own (at ``relay_host``), the servers the
+    members from rank 1 on, as in a trainer's transfer: the buckets are ``weight_sync.bucket_mb``
+    views of the buffer (no copy), each with its digest, which the servers check before any
+    parameter changes. Consecutive versions reuse the group; after a failure the next version
+    opens a new one. A failure raises ``TransferError`` with the reason (after at most
+    ``weight_sync.transfer_timeout_s``); the servers keep their previous weights then."""
+
+    def __init__(self, cfg: RunConfig, worker_id: str, host: str) -> None:
+        self.worker_id = worker_id
+        self.sender = WeightSender(cfg, "cpu", transport="gloo", host=host, keep=1)
+        self.receiver = WeightReceiver(cfg, "cpu", worker_id)
+        self.epoch = 0
+
+    async def load(
+        self, engine: Any, version: int, location: str, flat: torch.Tensor, manifest: list[list[Any]]
+    ) -> None:
+        """Install ``version`` (``flat``: its tensors packed in name order, ``manifest`` encoded) on
+        ``engine``'s servers; ``location`` is its disk copy, which a revived server reloads."""
+        problem = engine.group_problem()
+        if problem is not None:  # refused before the sender waits for members that cannot come
+            raise TransferError(f"the hop into the engine's servers cannot start: {problem}")
+        plan = plan_buckets(decode_manifest(manifest), self.sender.bucket_bytes)
+        held = await anyio.to_thread.run_sync(self.sender.hold, version, manifest, cut_buckets(flat, plan))
+        ev = WeightsLoad(
+            policy_version=version,
+            path=location,
+            transfer=held.offer,
+            group=f"relay-{self.worker_id}-{self.epoch}",
+            members=[self.worker_id],
+            ranks=[engine.group_ranks],
+        )
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.sender.send, ev, held)
+            try:
+                await self.receiver.receive_remote(engine, version, location, ev)
+            except Exception as exc:  # raised once the sender is done too, outside the task group
+                error = exc
+        if error is not None:
+            self.epoch += 1
+            raise TransferError(
+                f"the hop into the engine's servers failed: {type(error).__name__}: {error}"
+            ) from error

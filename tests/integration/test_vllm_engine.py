@@ -29,16 +29,23 @@ import anyio
 import httpx
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from areal_async import lora
+from areal_async.config import ModelConfig, RolloutConfig, RunConfig, WeightSyncConfig
 from areal_async.data import render_prompt
 from areal_async.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from areal_async.engines.vllm import VLLMEngine, with_lm_head
 from areal_async.errors import ConfigError
 from areal_async.models import load_causal_lm, load_tokenizer, prepare_smollm2
 from bus.events import WeightsLoad
+from tests.conftest import BusFactory
 from tests.helpers.adapters import peft_reference, write_random_adapter
-from tests.helpers.vllm_server import vllm_server
+from tests.helpers.vllm_server import free_port, vllm_server
+from tests.integration.test_weight_bus import corrupt_chunk, weights_bus
+from workers.generation import Generator
+from workers.runtime import WorkerContext
+from workers.weight_bus import BusWeightWriter, delta_slots
 from workers.weight_memory import WeightReceiver, WeightSender
 
 LOGPROB_MAX_ATOL = 1.0
@@ -345,6 +352,98 @@ async def test_a_version_sent_over_gloo_is_what_the_server_serves(
     assert in_memory.token_ids == from_disk.token_ids == after.token_ids
     assert torch.allclose(torch.tensor(in_memory.logprobs), torch.tensor(from_disk.logprobs), atol=1e-4)
     assert_close_enough(logprob_errors(oracles, in_memory, greedy, version=1))
+
+
+def link_files(source: Path, target: Path) -> None:
+    """``target``: a directory of symlinks to ``source``'s files."""
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        (target / file.name).symlink_to(file.resolve())
+
+
+@pytest.mark.vllm
+@pytest.mark.asyncio
+async def test_versions_from_the_bus_reach_the_server_and_a_damaged_one_is_not_served(
+    vllm_url: str,
+    prompts: list[list[int]],
+    smollm2: Path,
+    perturbed: Path,
+    oracles: dict[int, torch.nn.Module],
+    bus_factory: BusFactory,
+    run_name: str,
+    tmp_path: Path,
+) -> None:
+    """``weight_sync.transport: bus`` with a vLLM engine: the generation worker rebuilds the
+    trainer's version from the weights bucket (a tied model's snapshot, no lm_head) and hands it to
+    its server over gloo, which serves it (the version's greedy tokens and log-probs). A version
+    whose delta is damaged is refused with the reason logged: without a disk copy the server keeps
+    serving the previous version; with one, the worker loads that instead. A hop that cannot reach
+    every server of the engine (one is down) is refused at once with the reason logged, and the
+    worker loads the disk copy."""
+    cfg = RunConfig(
+        name=run_name,
+        dir=str(tmp_path / "{name}"),
+        model=ModelConfig(path=str(smollm2)),
+        rollout=RolloutConfig(engine="vllm", server_urls=[vllm_url], max_staleness=1),
+        weight_sync=WeightSyncConfig(transport="bus", anchor_every=4, chunk_kb=512, bucket_mb=64),
+    )
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+
+    def snapshot(version: int) -> dict[str, torch.Tensor]:
+        state = oracles[version].state_dict()
+        return {k: v.detach().clone() for k, v in state.items() if k != "lm_head.weight"}
+
+    trainer = await weights_bus(bus_factory, "trainer")
+    writer = BusWeightWriter(cfg, trainer)
+    async with VLLMEngine([vllm_url], startup_timeout_s=30, engine_id="gen-1") as engine:
+        ctx = WorkerContext(
+            cfg=cfg, role="generation", worker_id="gen-1", bus=await weights_bus(bus_factory, "gen")
+        )
+        generator = Generator(ctx, engine, load_tokenizer(smollm2))
+        [before] = await engine.generate(requests_for(prompts[:1], greedy, "v0"))
+        written = await writer.write(1, snapshot(1))
+        with capture_logs() as logs:
+            await generator.load(1, str(cfg.weights_root / "v1"))
+        loads = [e for e in logs if e["event"] == "weights loaded" and "via" in e]
+        assert [(e["via"], e["digest"]) for e in loads] == [("bus", written["digest"])], logs
+        [served] = await engine.generate(requests_for(prompts[:1], greedy, "v1"))
+
+        await writer.write(2, snapshot(2))  # a delta against v1; v2 holds the original weights
+        await corrupt_chunk(trainer, f"delta-{2 % delta_slots(cfg)}", 0)
+        with capture_logs() as logs:
+            await generator.load(2, str(cfg.weights_root / "v2"))
+        failed = [e for e in logs if e["event"] == "weights from the bus failed; loading the disk copy"]
+        assert failed and "chunk 0 of delta-2" in failed[0]["error"], logs
+        assert [e["event"] for e in logs if e["log_level"] == "error"] == ["weights load failed"]
+        assert engine.version == 1
+        [kept] = await engine.generate(requests_for(prompts[:1], greedy, "kept"))
+
+        disk_copy = cfg.weights_root / "v2"  # the original checkpoint's files, as the trainer's copy
+        link_files(smollm2, disk_copy)
+        with capture_logs() as logs:
+            await generator.load(2, str(disk_copy))
+        assert [e["via"] for e in logs if e["event"] == "weights loaded" and "via" in e] == ["disk"]
+        [restored] = await engine.generate(requests_for(prompts[:1], greedy, "v2"))
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with VLLMEngine([vllm_url, dead], startup_timeout_s=2, engine_id="gen-2") as engine:
+        ctx = WorkerContext(
+            cfg=cfg, role="generation", worker_id="gen-2", bus=await weights_bus(bus_factory, "gen-2")
+        )
+        generator = Generator(ctx, engine, load_tokenizer(smollm2))
+        link_files(perturbed, cfg.weights_root / "v1")
+        with capture_logs() as logs:
+            await generator.load(1, str(cfg.weights_root / "v1"))
+        failed = [e for e in logs if e["event"] == "weights from the bus failed; loading the disk copy"]
+        assert failed and "1 of 2 servers are live" in failed[0]["error"], logs
+        assert [e["via"] for e in logs if e["event"] == "weights loaded" and "via" in e] == ["disk"]
+        [fallback] = await engine.generate(requests_for(prompts[:1], greedy, "fallback"))
+    assert served.versions == kept.versions == [1] * 16 and restored.versions == [2] * 16
+    assert fallback.token_ids == served.token_ids and fallback.versions == [1] * 16
+    assert served.token_ids != before.token_ids, "greedy output changes with the weights"
+    assert kept.token_ids == served.token_ids and kept.logprobs == served.logprobs
+    assert restored.token_ids == before.token_ids
+    assert_close_enough(logprob_errors(oracles, served, greedy, version=1))
 
 
 async def served_adapters(url: str) -> set[str]:

@@ -276,12 +276,17 @@ def test_weight_transport_settings_are_checked_against_the_trainer(tmp_path: Pat
 
 
 def test_bus_transport_settings_name_the_field_and_the_fix() -> None:
-    """``transport: bus`` serves local engines only, its chunk must fit the embedded server's
-    max_payload, and it does not carry LoRA adapters."""
+    """``transport: bus`` serves local and vLLM engines, not SGLang, its chunk must fit the embedded
+    server's max_payload, and it does not carry LoRA adapters."""
     cfg = load_config(overrides=["weight_sync.transport=bus"])
     assert (cfg.weight_sync.anchor_every, cfg.weight_sync.chunk_kb) == (8, 1024)
-    with pytest.raises(ConfigError, match=r"'bus' serves local engines only.*rollout.engine is 'vllm'"):
-        load_config(overrides=["weight_sync.transport=bus", "rollout.engine=vllm"])
+    cfg = load_config(overrides=["weight_sync.transport=bus", "rollout.engine=vllm"])
+    assert (cfg.weight_sync.transport, cfg.rollout.engine) == ("bus", "vllm")
+    with pytest.raises(
+        ConfigError,
+        match=r"'bus' serves local and vllm engines, but rollout.engine is 'sglang'.*use transport disk",
+    ):
+        load_config(overrides=["weight_sync.transport=bus", "rollout.engine=sglang"])
     with pytest.raises(
         ConfigError, match=r"chunk_kb \(9000\) does not fit.*max_payload_mb \(8.0\).*at most 8188"
     ):

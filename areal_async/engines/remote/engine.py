@@ -181,6 +181,13 @@ class RemoteEngine(InferenceEngine):
         """Ranks this engine takes in a weight-transfer group: one per configured server."""
         return len(self.pool.servers)
 
+    def group_problem(self) -> str | None:
+        """Why the servers cannot receive a group transfer now (every one must be live), or None."""
+        live = sum(s.alive for s in self.pool.servers)
+        if live != self.group_ranks:
+            return f"{live} of {self.group_ranks} servers are live; the group needs all of them"
+        return None
+
     @property
     def servers(self) -> list[Server]:
         return self.pool.servers
@@ -322,10 +329,9 @@ class RemoteEngine(InferenceEngine):
                 interrupted = await self.gate.drain()
                 drained_s = time.perf_counter() - started - prepared_s
                 targets = [s for s in pool.servers if s.alive]
-                if group is not None and len(targets) != self.group_ranks:
-                    raise RuntimeError(
-                        f"{len(targets)} of {self.group_ranks} servers are live; the group needs all of them"
-                    )
+                problem = self.group_problem() if group is not None else None
+                if problem is not None:
+                    raise RuntimeError(problem)
                 async with anyio.create_task_group() as tg:
                     for i, server in enumerate(targets):
                         receive = None
