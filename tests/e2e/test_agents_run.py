@@ -100,32 +100,43 @@ def test_a_multi_turn_run_learns_to_answer_right_the_first_time(
         assert all(t - 2 <= h <= t for h in ev.head_versions), (ev.step, ev.head_versions)
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("victim", ["agent", "generation", "trainer"])
-def test_killing_a_role_mid_episode_loses_nothing(tmp_path: Path, tiny_model: Path, victim: str) -> None:
-    """SIGKILL one role during a multi-turn run: an agent's tasks are redelivered to the restarted
-    worker (its partial episodes never trained), an agent retries the calls a dead generation worker
-    held, a restored trainer re-trains from its checkpoint. The run completes and nothing is
-    trained twice."""
-    name = f"agentkill-{victim}"
+VICTIMS = ("agent", "generation", "trainer")
+
+
+@pytest.mark.timeout(900)
+def test_killing_each_role_mid_episode_loses_nothing(tmp_path: Path, tiny_model: Path) -> None:
+    """SIGKILL one role after another during one multi-turn run, each once the previous one is back
+    and training has moved on: an agent's tasks are redelivered to the restarted worker (its partial
+    episodes never trained), an agent retries the calls a dead generation worker held, a restored
+    trainer re-trains from its checkpoint. The run completes and nothing is trained twice."""
+    name = "agentkill"
+    per_victim = 3
+    total = per_victim * (len(VICTIMS) + 1)
     cfg = _agent_config(
-        tmp_path, tiny_model, name, trainer__total_steps=6, trainer__batch_size=8, trainer__eval_every=0,
-        dataset__eval_size=4, rollout__group_size=4, checkpoint__every_steps=2,
+        tmp_path, tiny_model, name, trainer__total_steps=total, trainer__batch_size=8,
+        trainer__eval_every=0, dataset__eval_size=4, rollout__group_size=4, checkpoint__every_steps=2,
     )  # fmt: skip
     run_dir = tmp_path / name
     started = time.monotonic()
     proc = start_job(cfg)
-    deadline = time.monotonic() + 300
-    while steps_done(run_dir) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    logs = sorted((run_dir / "logs").glob(f"{victim}-*.jsonl"), key=lambda p: p.stat().st_mtime)
-    assert logs, f"no {victim} worker log"
-    os.kill(int(logs[-1].stem.rsplit("-", 1)[1]), signal.SIGKILL)
-    res = finish_job(proc, run_dir, started, timeout=500)
+    try:
+        for i, victim in enumerate(VICTIMS, start=1):
+            deadline = time.monotonic() + 300
+            while (
+                steps_done(run_dir) < i * per_victim and proc.poll() is None and time.monotonic() < deadline
+            ):
+                time.sleep(0.05)
+            assert steps_done(run_dir) >= i * per_victim, f"no progress before killing the {victim}"
+            logs = sorted((run_dir / "logs").glob(f"{victim}-*.jsonl"), key=lambda p: p.stat().st_mtime)
+            assert logs, f"no {victim} worker log"
+            os.kill(int(logs[-1].stem.rsplit("-", 1)[1]), signal.SIGKILL)
+    finally:
+        res = finish_job(proc, run_dir, started, timeout=500)
     assert res.returncode == 0, res.output[-4000:]
-    assert f"warning: {victim} exited with -9; restart 1/3" in res.output, res.output[-4000:]
+    for victim in VICTIMS:
+        assert f"warning: {victim} exited with -9; restart 1/3" in res.output, res.output[-4000:]
     steps = read_steps(run_dir, name)
-    _check_exactly_once(steps, 6, 8)
+    _check_exactly_once(steps, total, 8)
     for ev in committed_steps(steps).values():
         t = ev.policy_version - 1
         assert all(t - 2 <= h <= t for h in ev.head_versions), (ev.step, ev.head_versions)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,17 +32,22 @@ def warm_start_mode_select(
     eval_fraction: float = 0.3,
     hi: int = 9,
     chat: bool = False,
+    init: Path | None = None,
 ) -> Path:
     """Build and SFT the tiny model into ``out_dir`` (reused when already there).
 
     ``chat``: prompts rendered with the tokenizer's ChatML template as one user message, the answer
     closed by ``<|im_end|>``, as agent workflows (``ChatSession``) render a row's first turn.
+    ``init``: start from this model directory (e.g. the raw-format warm start) instead of random init.
     """
     if (out_dir / "sft.done").is_file():
         return out_dir
     from transformers import AutoModelForCausalLM
 
-    build_tiny_model(out_dir, hidden=128, layers=4, heads=4, seed=seed)
+    if init is None:
+        build_tiny_model(out_dir, hidden=128, layers=4, heads=4, seed=seed)
+    else:
+        shutil.copytree(init, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("sft.done"))
     tok = load_tokenizer(out_dir)
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     rows = load_dataset("mode_select", split="train", seed=seed, eval_fraction=eval_fraction, hi=hi)

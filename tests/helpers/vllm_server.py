@@ -24,6 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("AREAL_VLLM_VENV", ROOT / ".cache" / "vllm-venv"))
 STARTUP_S = 600.0
+LORA_SERVER_RANK = "8"
+"""Largest LoRA rank the shared test server (``tests/conftest.py``: ``shared_vllm``) takes at run time."""
 
 
 def skip_without_vllm() -> None:

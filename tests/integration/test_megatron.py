@@ -92,9 +92,17 @@ def run_engine(engine: Any, seqs: list[TrainSequence]) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, world: int, port: int, out: Path, jobs: list[dict[str, Any]]) -> None:
+    from megatron.core import parallel_state
+
     as_torchrun_rank(rank, world, port)
     try:
+        layout = None
         for job in jobs:
+            # Jobs of one spawn share its processes (one start-up); another layout needs megatron-core's
+            # parallel state set up anew.
+            if layout is not None and layout != (job["tp"], job.get("pp", 1), job.get("cp", 1)):
+                parallel_state.destroy_model_parallel()
+            layout = (job["tp"], job.get("pp", 1), job.get("cp", 1))
             megatron = MegatronConfig(
                 tensor_parallel=job["tp"],
                 pipeline_parallel=job.get("pp", 1),
@@ -224,8 +232,14 @@ def test_two_data_parallel_ranks_match_one_fsdp2_process(models: dict[str, Path]
     and losses, grad norms, logprobs and weights equal one FSDP2 process on the whole batch. Their
     sharded checkpoint resumes at tensor_parallel 2, and the next step is the one they computed."""
     ckpt = tmp_path / "dp2-run"
-    spawn(2, tmp_path, [{"name": "dp2", "model": models["llama"], "tp": 1, "checkpoint": ckpt}])
-    spawn(2, tmp_path, [{"name": "dp2-tp2", "model": models["llama"], "tp": 2, "resume_from": ckpt}])
+    spawn(
+        2,
+        tmp_path,
+        [
+            {"name": "dp2", "model": models["llama"], "tp": 1, "checkpoint": ckpt},
+            {"name": "dp2-tp2", "model": models["llama"], "tp": 2, "resume_from": ckpt},
+        ],
+    )
     _, want = reference(models["llama"])
     for rank in range(2):
         got = torch.load(tmp_path / f"dp2-rank{rank}.pt", weights_only=False)
@@ -275,9 +289,13 @@ def test_pipeline_stages_match_fsdp2_and_resume_in_one_stage(models: dict[str, P
         LlamaConfig(**{**SHAPE, "num_hidden_layers": 4}, tie_word_embeddings=True)
     ).save_pretrained(llama4)
     ckpt, vckpt = tmp_path / "pp2-run", tmp_path / "vpp-run"
-    spawn(2, tmp_path, [{"name": "pp-llama", "model": models["llama"], "tp": 1, "pp": 2, "checkpoint": ckpt}])
     spawn(
-        2, tmp_path, [{"name": "pp-llama4", "model": llama4, "tp": 1, "pp": 2, "vpp": 2, "checkpoint": vckpt}]
+        2,
+        tmp_path,
+        [
+            {"name": "pp-llama", "model": models["llama"], "tp": 1, "pp": 2, "checkpoint": ckpt},
+            {"name": "pp-llama4", "model": llama4, "tp": 1, "pp": 2, "vpp": 2, "checkpoint": vckpt},
+        ],
     )
     spawn(3, tmp_path, [{"name": "pp-qwen2", "model": qwen2, "tp": 1, "pp": 3}])
     spawn(
@@ -317,8 +335,14 @@ def test_context_parallel_matches_fsdp2_and_resumes_without_it(
     context-parallel pair computed."""
     ckpt = tmp_path / "cp2-run"
     spawn(2, tmp_path, [{"name": "cp2", "model": models["qwen2"], "tp": 1, "cp": 2, "checkpoint": ckpt}])
-    spawn(4, tmp_path, [{"name": "cp2-pp2", "model": models["llama"], "tp": 1, "pp": 2, "cp": 2}])
-    spawn(4, tmp_path, [{"name": "cp2-tp2", "model": models["qwen3"], "tp": 2, "cp": 2}])
+    spawn(
+        4,
+        tmp_path,
+        [
+            {"name": "cp2-pp2", "model": models["llama"], "tp": 1, "pp": 2, "cp": 2},
+            {"name": "cp2-tp2", "model": models["qwen3"], "tp": 2, "cp": 2},
+        ],
+    )
     spawn(1, tmp_path, [{"name": "cp-resume", "model": models["qwen2"], "tp": 1, "resume_from": ckpt}])
 
     _, want = reference(models["qwen2"])
@@ -361,8 +385,14 @@ def test_sequence_parallel_matches_fsdp2_alone_and_with_context_or_pipeline_para
         tmp_path,
         [{"name": f"sp-{f}", "model": models[f], "tp": 2, "sp": True} for f in ("qwen3", "qwen2")],
     )
-    spawn(4, tmp_path, [{"name": "sp-cp2", "model": models["llama"], "tp": 2, "cp": 2, "sp": True}])
-    spawn(4, tmp_path, [{"name": "sp-pp2", "model": models["llama"], "tp": 2, "pp": 2, "sp": True}])
+    spawn(
+        4,
+        tmp_path,
+        [
+            {"name": "sp-cp2", "model": models["llama"], "tp": 2, "cp": 2, "sp": True},
+            {"name": "sp-pp2", "model": models["llama"], "tp": 2, "pp": 2, "sp": True},
+        ],
+    )
 
     for family in ("qwen3", "qwen2"):
         _, want = reference(models[family])

