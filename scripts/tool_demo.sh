@@ -4,11 +4,12 @@
 # Extra arguments go to the RL run (e.g. --set trainer.total_steps=10).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup.sh
 . .venv/bin/activate
 CONFIG=configs/agent_tool_cpu.yaml
 RUN_DIR=runs/agent-tool-cpu
 areal-async prepare-model smollm2
 python -m areal_async.data.tool_transcripts --config "$CONFIG" --out "$RUN_DIR/tool_transcripts.jsonl" \
-    --count 128 --seed 1
+    --count 96 --seed 1
 areal-async sft "$CONFIG" --set trainer.optimizer.lr=1.0e-4
 exec areal-async run "$CONFIG" --set model.path="$RUN_DIR/sft/model" "$@"
