@@ -160,11 +160,15 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
     model_turns = [len(e.model_turns) for e in episodes]
     first = [float(e.model_turns[0].reward > 0.5) if e.model_turns else 0.0 for e in episodes]
     calls = [sum(t.text.count("<tool_call>") for t in e.model_turns) for e in episodes]
+    # tool_use records the calls it ran and those that failed; a call that ran without error was
+    # well formed (closed block, JSON, a known tool, arguments that fit) and gave a result
+    ran_ok = [e.info.get("tool_calls", 0) - e.info.get("tool_errors", 0) for e in episodes]
     return {
         "episode/turns": sum(model_turns) / n,
         "episode/first_try": sum(first) / n,
         "episode/tool_calls": sum(calls) / n,
         "episode/tool_use_rate": sum(c > 0 for c in calls) / n,
+        "episode/tool_ok_rate": sum(ok > 0 for ok in ran_ok) / n,
     }
 
 

@@ -6,6 +6,8 @@
   (``rows.py``).
 - ``DatasetCursor``: seeded epoch order with a checkpointable position (``cursor.py``).
 - ``render_prompt(tokenizer, row)``: chat template or plain text to ids (``prompt.py``).
+- SFT rows (``sft.py``) and calculator transcripts for a ``tool_use`` warm start
+  (``tool_transcripts.py``).
 
 Nothing here imports torch or transformers.
 """

@@ -56,6 +56,24 @@ def test_an_episode_exports_as_one_completion_masked_to_the_model_tokens() -> No
     assert stats["episode/turns"] == 2 and stats["episode/first_try"] == 0.0
 
 
+def test_episode_stats_count_episodes_with_a_call_that_ran() -> None:
+    """tool_ok_rate: the share of episodes in which at least one tool call ran without error; a
+    written call that failed (malformed, unknown tool, bad arguments) counts only in tool_use_rate."""
+    model = Turn(
+        role="model", token_ids=(5,), logprobs=(0.0,), versions=(0,), text="<tool_call>x</tool_call>"
+    )
+    prompt = Turn(role="prompt", token_ids=(1,))
+
+    def episode(**info: int) -> Episode:
+        return Episode(turns=(prompt, model), info=dict(info))
+
+    stats = episode_stats(
+        [episode(tool_calls=2, tool_errors=1), episode(tool_calls=1, tool_errors=1), episode()]
+    )
+    assert stats["episode/tool_use_rate"] == 1.0
+    assert stats["episode/tool_ok_rate"] == pytest.approx(1 / 3)
+
+
 def test_an_episode_without_a_model_token_is_refused() -> None:
     with pytest.raises(ValueError, match="no model token"):
         episode_completion(Episode(turns=(Turn(role="prompt", token_ids=(1, 2)),)))
