@@ -66,12 +66,7 @@ class HFWriter:
         Equivalent to `snapshot_hf` followed by `write_hf` on rank 0.
         """
         tensors = self.snapshot_hf(dtype=dtype)
-        manifest = self.write_hf(path, tensors) if tensors is not None else []
-        if self.distributed:
-            box: list[Any] = [manifest]
-            dist.broadcast_object_list(box, src=0)
-            manifest = box[0]
-        return manifest
+        return self._from_rank_0(self.write_hf(path, tensors) if tensors is not None else [])
 
     def save_merged_hf(
         self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
@@ -79,12 +74,15 @@ class HFWriter:
         """Write a full HF model directory to `path` atomically, with any LoRA adapters merged into
         the base weights (a model `model.path` loads as is); its manifest on every rank. Collective."""
         tensors = self.merged_hf(dtype=dtype)
-        manifest = self._write_model_dir(Path(path), tensors) if tensors is not None else []
-        if self.distributed:
-            box: list[Any] = [manifest]
-            dist.broadcast_object_list(box, src=0)
-            manifest = box[0]
-        return manifest
+        return self._from_rank_0(self._write_model_dir(Path(path), tensors) if tensors is not None else [])
+
+    def _from_rank_0(self, manifest: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Rank 0's manifest on every rank (collective when distributed)."""
+        if not self.distributed:
+            return manifest
+        box: list[Any] = [manifest]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def write_hf(
         self, path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]
