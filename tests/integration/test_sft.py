@@ -60,7 +60,8 @@ dir: {root}/unset
 model: {{path: {model}}}
 trainer: {{dtype: float32, micro_batch_tokens: 256, num_threads: 1, optimizer: {{lr: 0.003}}}}
 checkpoint: {{every_steps: 3, keep: 2}}
-logging: {{tensorboard: false, format: json}}
+logging: {{format: json}}
+metrics: {{loggers: []}}
 sft: {{data: {data}, eval_fraction: 0.1, batch_size: 8, epochs: 2, eval_every: 2}}
 """
     )
