@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import structlog
+from mlflow.tracking import MlflowClient
 
 from areal_async.config import MetricsConfig, MlflowConfig, WandbConfig
 from areal_async.errors import ConfigError
@@ -24,11 +25,6 @@ from bus.events import Completion, MetricsReport, RolloutGroup, ScoredGroup, pac
 from workers.runtime import WorkerContext
 from workers.trackers import ROLLOUT_COLUMNS, STATE_FILE, open_trackers, rollout_rows
 from workers.trainer import Held, Trainer, trainer_trackers
-
-wandb = pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
-
-from mlflow.tracking import MlflowClient  # noqa: E402
 
 
 @pytest.fixture
