@@ -15,15 +15,17 @@ Guarantees:
   missing raises ``ConfigError`` naming the extra to install, and one that cannot be opened (a
   wrong URI, a refused server) raises what its library raised. A new tracker run gets the
   resolved config once.
-- Once open, a call that fails (the network, a full disk) never raises: the first failure of each
-  tracker is logged as a warning, the others are counted (the count is logged at close), and
-  logging goes on; ``metrics.jsonl`` has everything meanwhile.
-- Resume: ``<root>/trackers.json`` keeps each tracker's run id and the last step logged. A
-  restarted process continues the same W&B and MLflow runs and logs no step twice: a trainer
-  resumed from a checkpoint trains the steps after it again, and the trackers keep the values
-  they logged first (a W&B history only moves forward).
-- Calls are serialised by a lock, so callers may make them from worker threads (MLflow calls
-  are blocking HTTP).
+- Once open, a call never blocks and never raises: it is queued (bounded, ``QUEUE_SIZE``) for one
+  background thread that makes the trackers' calls in order, so a slow or unreachable server
+  does not hold up training. A call that fails (the network, a full disk) is logged as a warning
+  the first time per tracker and counted after that (the counts are logged at close); a full
+  queue drops calls, with one warning. ``metrics.jsonl`` has everything meanwhile.
+- Resume: ``<root>/trackers.json`` keeps each tracker's run id and the last step logged (written
+  just before the step's calls). A restarted process continues the same W&B and MLflow runs and
+  logs no step twice: a trainer resumed from a checkpoint trains the steps after it again, and
+  the trackers keep the values they logged first (a W&B history only moves forward); a process
+  killed outright loses at most the steps it had queued.
+- ``close()`` waits for the queued calls (up to ``close_timeout_s``), then closes each tracker.
 
 No torch here.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import queue
 import random
 import threading
 import time
@@ -51,6 +54,9 @@ log = structlog.get_logger(__name__)
 
 STATE_FILE = "trackers.json"
 """Under the caller's root: each tracker's run id and the last step logged."""
+
+QUEUE_SIZE = 1000
+"""Calls waiting for the background thread at most (a thousand steps' metrics, tables, evaluations)."""
 
 EVAL_STEP = "eval/policy_version"
 """The x axis of evaluations: the policy version they measured."""
@@ -279,13 +285,32 @@ class Trackers:
         self.state_path = state_path
         self.state = state
         self.logged_through = int(state.get("logged_step", -1))
-        """The last step logged (by this process or an earlier one): later calls skip up to it."""
+        """The last step queued (by this process) or logged (by an earlier one): skipped up to it."""
         self.failures: dict[str, int] = {}
+        self.dropped = 0
         self.lock = threading.Lock()
+        self.calls: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=QUEUE_SIZE)
+        self.thread: threading.Thread | None = None
+        if self.trackers:
+            self.thread = threading.Thread(target=self._run_calls, name="trackers", daemon=True)
+            self.thread.start()
 
     @property
     def names(self) -> list[str]:
         return [t.name for t in self.trackers]
+
+    def _run_calls(self) -> None:
+        """The background thread: each queued call in order, until ``None``."""
+        while (call := self.calls.get()) is not None:
+            call()
+
+    def _submit(self, call: Callable[[], None]) -> None:
+        try:
+            self.calls.put_nowait(call)
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("trackers fall behind; dropping calls", queued=QUEUE_SIZE, trackers=self.names)
 
     def _each(self, call: Callable[[Tracker], None], what: str) -> None:
         for tracker in self.trackers:
@@ -303,36 +328,61 @@ class Trackers:
                     )
 
     def log_step(self, step: int, values: Mapping[str, float]) -> bool:
-        """Log one step's metrics (numbers only); False when ``step`` was logged already."""
+        """Queue one step's metrics (numbers only); False when ``step`` was logged already."""
         numbers = {k: float(v) for k, v in values.items() if isinstance(v, int | float)}
         with self.lock:
             if step <= self.logged_through or not self.trackers:
                 return False
-            self._each(lambda t: t.log_step(step, numbers), "log_step")
             self.logged_through = step
-            self.state["logged_step"] = step
-            _write_state(self.state_path, self.state)
+
+            def call() -> None:
+                # Recorded first: a process killed in between loses this step from the trackers
+                # rather than logging it twice after its restart.
+                self.state["logged_step"] = step
+                _write_state(self.state_path, self.state)
+                self._each(lambda t: t.log_step(step, numbers), "log_step")
+
+            self._submit(call)
             return True
 
     def log_eval(self, policy_version: int, values: Mapping[str, float]) -> None:
+        """Queue an evaluation's values (whole keys, ``eval/accuracy``) at its policy version."""
         numbers = {k: float(v) for k, v in values.items() if isinstance(v, int | float)}
-        with self.lock:
-            self._each(lambda t: t.log_eval(policy_version, numbers), "log_eval")
+        if self.trackers:
+            self._submit(lambda: self._each(lambda t: t.log_eval(policy_version, numbers), "log_eval"))
 
     def log_rollouts(self, step: int, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        """Log a table of rollouts, unless ``step`` was logged already."""
+        """Queue a table of rollouts, unless ``step`` was logged already."""
         with self.lock:
-            if step <= self.logged_through or not rows:
+            if step <= self.logged_through or not rows or not self.trackers:
                 return
-            self._each(lambda t: t.log_rollouts(step, columns, rows), "log_rollouts")
+        self._submit(lambda: self._each(lambda t: t.log_rollouts(step, columns, rows), "log_rollouts"))
 
-    def close(self) -> None:
-        with self.lock:
-            self._each(lambda t: t.close(), "close")
-            failed = {name: n for name, n in self.failures.items() if n}
-            if failed:
-                log.warning("tracker calls failed during the run", failures=failed)
-            self.trackers = []
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until the calls queued so far are made; False when ``timeout_s`` passed first."""
+        if self.thread is None:
+            return True
+        done = threading.Event()
+        try:
+            self.calls.put(done.set, timeout=timeout_s)
+        except queue.Full:
+            return False
+        return done.wait(timeout_s)
+
+    def close(self, close_timeout_s: float = 60.0) -> None:
+        """Make the queued calls (waiting up to ``close_timeout_s``), then close every tracker."""
+        if self.thread is None:
+            return
+        thread, self.thread = self.thread, None
+        self._submit(lambda: self._each(lambda t: t.close(), "close"))
+        self.calls.put(None)
+        thread.join(close_timeout_s)
+        if thread.is_alive():
+            log.warning("trackers still busy at close; leaving them", waited_s=close_timeout_s)
+        failed = {name: n for name, n in self.failures.items() if n}
+        if failed or self.dropped:
+            log.warning("tracker calls failed during the run", failures=failed, dropped=self.dropped)
+        self.trackers = []
 
 
 def open_trackers(

@@ -82,8 +82,8 @@ from workers.weight_memory import WeightSender
 log = structlog.get_logger()
 
 EVAL_GRACE_S = 0.5
-"""After run.ended, how long the trackers may take to log the last evaluation (its report arrived
-first, on the same connection)."""
+"""After run.ended, how long the trainer keeps reading ``metrics`` for the last evaluation (its
+report arrived first, on the same connection)."""
 
 TRACKERS_CLOSE_S = 60.0
 """Longest wait for the trackers to finish (a W&B upload) when the trainer stops."""
@@ -370,7 +370,7 @@ class Trainer:
         await self.bus.publish(
             self.bus.subjects.trainer_step, event, msg_id=f"step-{version}-{time.time_ns()}"
         )
-        await self.record(version, event, batch)
+        self.record(version, event, batch)
         self.ctx.policy_version = version
         log.info(
             "step done",
@@ -446,7 +446,7 @@ class Trainer:
             policy_version=version,
         )
 
-    async def record(self, version: int, event: TrainerStep, batch: list[Held]) -> None:
+    def record(self, version: int, event: TrainerStep, batch: list[Held]) -> None:
         line = {"step": version, "policy_version": version, "time": time.time(), **event.metrics}
         append_jsonl(self.metrics_file, line)
         if self.trackers is None or not self.trackers.names:
@@ -454,8 +454,8 @@ class Trainer:
         every, samples = self.cfg.metrics.rollout_every, self.cfg.metrics.rollout_samples
         if samples and version % every == 0:
             rows = rollout_rows(version, [h.scored for h in batch], samples=samples)
-            await anyio.to_thread.run_sync(self.trackers.log_rollouts, version, ROLLOUT_COLUMNS, rows)
-        await anyio.to_thread.run_sync(self.trackers.log_step, version, event.metrics)
+            self.trackers.log_rollouts(version, ROLLOUT_COLUMNS, rows)
+        self.trackers.log_step(version, event.metrics)  # queued: a slow tracker never holds the step
 
     async def log_evaluations(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The controller's evaluation rounds (``eval/*`` of ``metrics`` reports) to the trackers;
@@ -470,7 +470,7 @@ class Trainer:
                     continue
                 values = {k: v for k, v in report.values.items() if k.startswith("eval/")}
                 if values:
-                    await anyio.to_thread.run_sync(self.trackers.log_eval, report.policy_version, values)
+                    self.trackers.log_eval(report.policy_version, values)
 
     async def commit(self, version: int) -> None:
         """Checkpoint, then ack what it covers (never the other way round)."""
@@ -527,8 +527,8 @@ async def serve(ctx: WorkerContext) -> None:
     try:
         await _serve(ctx, trackers)
     finally:
-        with anyio.move_on_after(TRACKERS_CLOSE_S, shield=True):
-            await anyio.to_thread.run_sync(trackers.close, abandon_on_cancel=True)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(trackers.close, TRACKERS_CLOSE_S)
 
 
 async def _serve(ctx: WorkerContext, trackers: Trackers) -> None:
