@@ -1,5 +1,5 @@
 """The ``metrics`` section of the run configuration: where the trainer's numbers go besides
-``metrics.jsonl`` (re-exported by ``areal_async.config``; docs/training.md, "Experiment trackers").
+``metrics.jsonl`` (re-exported by ``areal_async.config``; docs/operations.md, "Experiment trackers").
 
 No torch here: the CLI imports this module and must start fast.
 """

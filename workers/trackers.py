@@ -1,5 +1,5 @@
 """Experiment trackers: step metrics, evaluations, the resolved config and samples of rollouts, to
-TensorBoard, Weights & Biases and MLflow (``metrics.loggers``; docs/training.md, "Experiment
+TensorBoard, Weights & Biases and MLflow (``metrics.loggers``; docs/operations.md, "Experiment
 trackers"). The trainer's rank 0 and ``areal-async sft`` write through this module; ``metrics.jsonl``
 stays the record of every step either way.
 
@@ -25,7 +25,8 @@ Guarantees:
   logs no step twice: a trainer resumed from a checkpoint trains the steps after it again, and
   the trackers keep the values they logged first (a W&B history only moves forward); a process
   killed outright loses at most the steps it had queued.
-- ``close()`` waits for the queued calls (up to ``close_timeout_s``), then closes each tracker.
+- ``flush()`` waits for the calls queued so far; ``close()`` waits for them (up to
+  ``close_timeout_s``), then closes each tracker.
 
 No torch here.
 """
@@ -54,6 +55,9 @@ log = structlog.get_logger(__name__)
 
 STATE_FILE = "trackers.json"
 """Under the caller's root: each tracker's run id and the last step logged."""
+
+CLOSE_TIMEOUT_S = 60.0
+"""Longest wait at close for the queued calls and the trackers' own finishing (a W&B upload)."""
 
 QUEUE_SIZE = 1000
 """Calls waiting for the background thread at most (a thousand steps' metrics, tables, evaluations)."""
@@ -369,7 +373,7 @@ class Trackers:
             return False
         return done.wait(timeout_s)
 
-    def close(self, close_timeout_s: float = 60.0) -> None:
+    def close(self, close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Make the queued calls (waiting up to ``close_timeout_s``), then close every tracker."""
         if self.thread is None:
             return

@@ -85,9 +85,6 @@ EVAL_GRACE_S = 0.5
 """After run.ended, how long the trainer keeps reading ``metrics`` for the last evaluation (its
 report arrived first, on the same connection)."""
 
-TRACKERS_CLOSE_S = 60.0
-"""Longest wait for the trackers to finish (a W&B upload) when the trainer stops."""
-
 
 @dataclass
 class Held:
@@ -528,7 +525,7 @@ async def serve(ctx: WorkerContext) -> None:
         await _serve(ctx, trackers)
     finally:
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(trackers.close, TRACKERS_CLOSE_S)
+            await anyio.to_thread.run_sync(trackers.close)
 
 
 async def _serve(ctx: WorkerContext, trackers: Trackers) -> None:
