@@ -1,6 +1,7 @@
 """The run configuration: one typed, frozen ``RunConfig`` tree, one dataclass per section.
 
-This module and ``config_trainer`` (the trainer's sections, re-exported here) are the only places defaults live, and each section checks its own values (and
+This module, ``config_trainer`` (the trainer's sections) and ``config_metrics`` (the experiment
+trackers), both re-exported here, are the only places defaults live, and each section checks its own values (and
 ``RunConfig`` the checks across sections) with errors naming the key, the value and the fix.
 Reading a YAML run file and ``--set`` overrides into this tree: ``areal_async.run_file``.
 
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 from areal_async.algo.staleness import default_max_inflight
 from areal_async.config_checks import non_negative, positive
+from areal_async.config_metrics import MetricsConfig, MlflowConfig, WandbConfig
 from areal_async.config_trainer import LossConfig, MegatronConfig, OptimizerConfig, SFTConfig, TrainerConfig
 
 __all__ = [
@@ -26,6 +28,8 @@ __all__ = [
     "LoggingConfig",
     "LossConfig",
     "MegatronConfig",
+    "MetricsConfig",
+    "MlflowConfig",
     "ModelConfig",
     "OptimizerConfig",
     "RewardConfig",
@@ -34,6 +38,7 @@ __all__ = [
     "SFTConfig",
     "SamplingConfig",
     "TrainerConfig",
+    "WandbConfig",
     "WatchdogConfig",
     "WeightSyncConfig",
 ]
@@ -417,9 +422,6 @@ class LoggingConfig:
     format: Literal["auto", "console", "json"] = "auto"
     """``auto``: console on a terminal, JSON lines otherwise."""
 
-    tensorboard: bool = True
-    """Write TensorBoard event files into the run dir."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class WatchdogConfig:
@@ -477,6 +479,7 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     sft: SFTConfig | None = None
     """Supervised warm start (``areal-async sft``); None: the run file has no ``sft`` section."""

@@ -11,7 +11,9 @@ applies it: the preset's values first, then the file's own keys over them.
 
 Run-file keys are a stable interface. A key that moved keeps working: ``trainer.megatron.context_parallel``
 (before context parallelism was one key for both backends) is read as ``trainer.context_parallel``,
-with a warning naming the new key; a file that sets both to different values is refused.
+and ``logging.tensorboard: false`` (before ``metrics.loggers``) as ``metrics.loggers`` without
+``tensorboard``, each with a warning naming the new key; a file that sets both to different values
+is refused.
 
 No torch here: the CLI imports this module and must start fast.
 """
@@ -30,7 +32,7 @@ from typing import Any, Literal
 import structlog
 import yaml
 
-from areal_async.config import LossConfig, RunConfig
+from areal_async.config import LossConfig, MetricsConfig, RunConfig
 from areal_async.errors import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -106,6 +108,10 @@ def build_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> RunConfig
 
 
 def _read_moved_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    return _read_tensorboard_switch(_read_context_parallel(raw, source), source)
+
+
+def _read_context_parallel(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """``trainer.megatron.context_parallel`` -> ``trainer.context_parallel`` (the one key of both backends)."""
     trainer = raw.get("trainer")
     if not isinstance(trainer, dict) or not isinstance(trainer.get("megatron"), dict):
@@ -131,6 +137,38 @@ def _read_moved_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
     trainer["megatron"] = {k: v for k, v in megatron.items() if k != "context_parallel"}
     trainer["context_parallel"] = value
     raw["trainer"] = trainer
+    return raw
+
+
+def _read_tensorboard_switch(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """``logging.tensorboard: BOOL`` -> ``metrics.loggers`` with or without ``tensorboard``."""
+    logging = raw.get("logging")
+    if not isinstance(logging, dict) or "tensorboard" not in logging:
+        return raw
+    value = logging["tensorboard"]
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}:logging.tensorboard: expected true or false, got {value!r}")
+    metrics = raw.get("metrics")
+    metrics = dict(metrics) if isinstance(metrics, dict) else {}
+    loggers = metrics.get("loggers")
+    if isinstance(loggers, list):
+        if ("tensorboard" in loggers) != value:
+            raise ConfigError(
+                f"{source}:logging: logging.tensorboard={value!r} and metrics.loggers={loggers!r} disagree; "
+                "the trackers are one key now: keep metrics.loggers and delete logging.tensorboard"
+            )
+    else:
+        default = [name for name in MetricsConfig().loggers if name != "tensorboard"]
+        metrics["loggers"] = ["tensorboard", *default] if value else default
+    log.warning(
+        "run-file key moved",
+        source=source,
+        key="logging.tensorboard",
+        value=value,
+        fix=f"write metrics.loggers: {metrics['loggers']!r} instead (read as that key)",
+    )
+    raw["logging"] = {k: v for k, v in logging.items() if k != "tensorboard"}
+    raw["metrics"] = metrics
     return raw
 
 

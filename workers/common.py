@@ -61,19 +61,6 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def tensorboard_writer(cfg: RunConfig, log_dir: Path) -> Any:
-    """A TensorBoard ``SummaryWriter`` into ``log_dir``, or None (``logging.tensorboard`` off, or
-    tensorboard not installed: metrics.jsonl still has everything)."""
-    if not cfg.logging.tensorboard:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        log.warning("tensorboard not installed; metrics only in metrics.jsonl")
-        return None
-    return SummaryWriter(log_dir=str(log_dir))
-
-
 async def settle_or_dead_letter(
     delivery: Any, handle: Callable[[Any], Awaitable[None]], *, what: str
 ) -> None:

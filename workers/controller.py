@@ -20,8 +20,9 @@ crash loop.
 
 Evaluation: at version 0, every ``trainer.eval_every`` served versions, and at the end,
 the held-out split is issued as ``eval`` tasks (greedy, one completion each, outside
-admission, never trained). Their accuracy is published as ``eval/accuracy`` on
-``metrics`` and appended to ``<run_dir>/eval.jsonl``.
+admission, never trained). Their accuracy (``eval/accuracy``, with ``eval/count`` and the
+other ``eval/*`` values) is appended to ``<run_dir>/eval.jsonl`` and published on ``metrics``,
+where the trainer hands it to the experiment trackers.
 
 Guarantees: a single logical instance; its state lives in the run's KV bucket after every
 change, so a restarted controller continues without double-issuing (publishes carry
@@ -429,7 +430,11 @@ class Controller:
         append_jsonl(self.ctx.run_dir / "eval.jsonl", line)
         await self.bus.publish(
             self.bus.subjects.metrics,
-            MetricsReport(step=version, policy_version=version, values={"eval/accuracy": accuracy}),
+            MetricsReport(
+                step=version,
+                policy_version=version,
+                values={k: float(v) for k, v in line.items() if k.startswith("eval/")},
+            ),
         )
         log.info("eval done", policy_version=version, accuracy=round(accuracy, 4), count=res["count"])
         self.wake()

@@ -17,7 +17,8 @@ Writes (rank 0; every rank its checkpoint shards), beside the RL run's files in 
     sft/metrics.jsonl       a line per step: step, epoch, loss, eval_loss (when evaluated), tokens
                             (trained), total_tokens, seconds, lr, grad_norm; a step-0 line holds the
                             starting eval_loss
-    sft/tensorboard/        the same values as sft/<key>
+    sft/tensorboard/        the same values as sft/<key> (with tensorboard in metrics.loggers; W&B
+                            and MLflow get them too, as a run named <name>-sft: workers/trackers.py)
     sft/checkpoints/        every checkpoint.every_steps steps and after the last (checkpoint.keep)
     <sft.out>               the trained model: a full HF directory (config, tokenizer files,
                             model.safetensors in float32, LoRA adapters merged in) for model.path
@@ -45,7 +46,8 @@ import structlog
 from areal_async.config import RunConfig
 from areal_async.errors import ConfigError
 from areal_async.files import write_text_atomic
-from workers.common import append_jsonl, resolve_model_path, tensorboard_writer
+from workers.common import append_jsonl, resolve_model_path
+from workers.trackers import Trackers, open_trackers
 
 log = structlog.get_logger(__name__)
 
@@ -58,17 +60,37 @@ def run_sft(cfg: RunConfig) -> dict[str, Any]:
             "the run file has no sft section; add one, e.g. sft: {data: transcripts.jsonl}, "
             "or pass --set sft.data=PATH"
         )
-    from areal_async.data.sft import load_examples
     from areal_async.logs import configure_logging
-    from areal_async.models import load_tokenizer, set_torch_threads
-    from areal_async.run_file import write_resolved_config
-    from areal_async.training.learner import init_trainer_process_group, make_engine
-    from areal_async.training.sft import SFTTrainer
+    from areal_async.run_file import config_to_dict
+    from areal_async.training.learner import init_trainer_process_group
 
-    sft = cfg.sft
     init_trainer_process_group(cfg.trainer.device)
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(level=cfg.logging.level, fmt=cfg.logging.format, role="sft", rank=rank)
+    # Rank 0, before the model loads: a tracker that cannot open (a missing package) fails now.
+    trackers = (
+        open_trackers(
+            cfg.metrics, root=cfg.sft_dir, name=f"{cfg.name}-sft", config=config_to_dict(cfg), section="sft"
+        )
+        if rank == 0
+        else None
+    )
+    try:
+        return _train(cfg, rank, trackers)
+    finally:
+        if trackers is not None:
+            trackers.close()
+
+
+def _train(cfg: RunConfig, rank: int, trackers: Trackers | None) -> dict[str, Any]:
+    from areal_async.data.sft import load_examples
+    from areal_async.models import load_tokenizer, set_torch_threads
+    from areal_async.run_file import write_resolved_config
+    from areal_async.training.learner import make_engine
+    from areal_async.training.sft import SFTTrainer
+
+    sft = cfg.sft
+    assert sft is not None
     set_torch_threads(cfg.trainer.num_threads)
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
@@ -103,7 +125,7 @@ def run_sft(cfg: RunConfig) -> dict[str, Any]:
         start_step=start,
         ranks=engine.world_size,
     )
-    writer = MetricsWriter(cfg, root, start=start) if rank == 0 else None
+    writer = MetricsWriter(root, start=start, trackers=trackers) if rank == 0 else None
 
     def on_metrics(record: dict[str, Any]) -> None:
         if writer is not None:
@@ -116,8 +138,6 @@ def run_sft(cfg: RunConfig) -> dict[str, Any]:
     out = cfg.sft_out
     engine.save_merged_hf(out)
     last = writer.last if writer is not None else {}
-    if writer is not None:
-        writer.close()
     summary = {
         "out": str(out),
         "steps": done,
@@ -175,12 +195,13 @@ def split_held_out(examples: list[Any], fraction: float, *, seed: int) -> tuple[
 
 
 class MetricsWriter:
-    """``sft/metrics.jsonl`` and TensorBoard, as a run writes its trainer's (rank 0 only).
+    """``sft/metrics.jsonl`` and the experiment trackers, as a run writes its trainer's (rank 0 only).
 
     On a resumed start the lines of steps after ``start`` (trained before the kill, not in the
-    checkpoint, and trained again now) are dropped, so every step has one line."""
+    checkpoint, and trained again now) are dropped, so every step has one line; the trackers skip
+    the steps they logged before the kill (``workers/trackers.py``)."""
 
-    def __init__(self, cfg: RunConfig, root: Path, *, start: int) -> None:
+    def __init__(self, root: Path, *, start: int, trackers: Trackers | None) -> None:
         self.path = root / "metrics.jsonl"
         self.last: dict[str, Any] = {}
         """The latest value of each key so far, resumed lines included (for the summary)."""
@@ -190,20 +211,13 @@ class MetricsWriter:
             write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))
             for line in kept:
                 self.last.update(json.loads(line))
-        self.tb = tensorboard_writer(cfg, root / "tensorboard")
+        self.trackers = trackers
 
     def write(self, record: dict[str, Any]) -> None:
         self.last.update(record)
         append_jsonl(self.path, record)
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self.tb.add_scalar(f"sft/{key}", value, record["step"])
-            self.tb.flush()
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        if self.trackers is not None:
+            self.trackers.log_step(record["step"], {k: v for k, v in record.items() if k != "step"})
 
 
 def sft_main(config: str, overrides: list[str]) -> int:

@@ -19,7 +19,10 @@ compute (``Learner.follow``). Each step at trainer version ``t``:
 2. train on the B oldest trainable groups (pi_prox forward, decoupled PPO update): t -> t+1;
 3. save ``weights/v<t+1>/`` (with ``weight_sync.transport: bus`` first into the run's weights
    bucket, ``workers/weight_bus.py``) and publish ``weights.published`` (path + manifest);
-4. publish ``trainer.step`` (task ids, head versions, metrics) and append ``metrics.jsonl``.
+4. publish ``trainer.step`` (task ids, head versions, metrics), append ``metrics.jsonl`` and log
+   the metrics (every ``metrics.rollout_every`` steps also a sample of the batch's rollouts) to the
+   experiment trackers of ``metrics.loggers`` (``workers/trackers.py``), which also get the
+   controller's evaluations (``metrics``) and the resolved config.
 
 Lossless resume (docs/design.md section 8): trained groups stay unacknowledged until the next
 checkpoint commits (every ``checkpoint.every_steps`` and at the end); only then are they
@@ -45,12 +48,15 @@ from typing import Any
 import anyio
 import numpy as np
 import structlog
+from anyio.abc import TaskStatus
 
 from areal_async.algo.advantages import dynamic_sampling_keep
 from areal_async.algo.staleness import StalenessStats, guard
 from areal_async.config import RunConfig
+from areal_async.run_file import config_to_dict
 from areal_async.weight_buckets import decode_manifest, nbytes
 from bus.events import (
+    MetricsReport,
     RolloutFailed,
     ScoredGroup,
     TensorEntry,
@@ -66,14 +72,18 @@ from workers.common import (
     append_jsonl,
     resolve_model_path,
     settle_or_dead_letter,
-    tensorboard_writer,
     weights_dir,
 )
 from workers.runtime import WorkerContext, io_thread_affinity
+from workers.trackers import ROLLOUT_COLUMNS, Trackers, open_trackers, rollout_rows
 from workers.weight_bus import BusWeightWriter
 from workers.weight_memory import WeightSender
 
 log = structlog.get_logger()
+
+EVAL_GRACE_S = 0.5
+"""After run.ended, how long the trainer keeps reading ``metrics`` for the last evaluation (its
+report arrived first, on the same connection)."""
 
 
 @dataclass
@@ -154,7 +164,9 @@ class RunOver(Exception):
 
 
 class Trainer:
-    def __init__(self, ctx: WorkerContext, learner: Any, *, trained_ids: set[str]) -> None:
+    def __init__(
+        self, ctx: WorkerContext, learner: Any, *, trained_ids: set[str], trackers: Trackers | None = None
+    ) -> None:
         self.ctx = ctx
         self.cfg: RunConfig = ctx.cfg
         self.bus = ctx.bus
@@ -168,7 +180,7 @@ class Trainer:
         self.weights_out, self.weights_in = anyio.create_memory_object_stream[tuple[int, Any]](1)
         self.last_write_s = 0.0
         self._bus_total = 0.0
-        self.tb = tensorboard_writer(self.cfg, self.cfg.run_dir / "tensorboard")
+        self.trackers = trackers
         self.started = time.time()
         transport = self.cfg.weight_sync.transport
         in_memory = transport in ("gloo", "nccl", "cuda_ipc")
@@ -355,7 +367,7 @@ class Trainer:
         await self.bus.publish(
             self.bus.subjects.trainer_step, event, msg_id=f"step-{version}-{time.time_ns()}"
         )
-        self.record(version, event)
+        self.record(version, event, batch)
         self.ctx.policy_version = version
         log.info(
             "step done",
@@ -431,13 +443,31 @@ class Trainer:
             policy_version=version,
         )
 
-    def record(self, version: int, event: TrainerStep) -> None:
+    def record(self, version: int, event: TrainerStep, batch: list[Held]) -> None:
         line = {"step": version, "policy_version": version, "time": time.time(), **event.metrics}
         append_jsonl(self.metrics_file, line)
-        if self.tb is not None:
-            for key, value in event.metrics.items():
-                self.tb.add_scalar(f"train/{key}", value, version)
-            self.tb.flush()
+        if self.trackers is None or not self.trackers.names:
+            return
+        every, samples = self.cfg.metrics.rollout_every, self.cfg.metrics.rollout_samples
+        if samples and version % every == 0:
+            rows = rollout_rows(version, [h.scored for h in batch], samples=samples)
+            self.trackers.log_rollouts(version, ROLLOUT_COLUMNS, rows)
+        self.trackers.log_step(version, event.metrics)  # queued: a slow tracker never holds the step
+
+    async def log_evaluations(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The controller's evaluation rounds (``eval/*`` of ``metrics`` reports) to the trackers;
+        started once subscribed."""
+        if self.trackers is None or not self.trackers.names:
+            task_status.started()
+            return
+        async with self.bus.subscribe(self.bus.subjects.metrics) as reports:
+            task_status.started()
+            async for report in reports:
+                if not isinstance(report, MetricsReport):
+                    continue
+                values = {k: v for k, v in report.values.items() if k.startswith("eval/")}
+                if values:
+                    self.trackers.log_eval(report.policy_version, values)
 
     async def commit(self, version: int) -> None:
         """Checkpoint, then ack what it covers (never the other way round)."""
@@ -482,7 +512,23 @@ def _restore(cfg: RunConfig, learner: Any) -> set[str]:
     return set(extra["trained_task_ids"])
 
 
+def trainer_trackers(cfg: RunConfig) -> Trackers:
+    """The run's experiment trackers (``metrics.loggers``), opened or resumed in the run dir."""
+    return open_trackers(cfg.metrics, root=cfg.run_dir, name=cfg.name, config=config_to_dict(cfg))
+
+
 async def serve(ctx: WorkerContext) -> None:
+    cfg = ctx.cfg
+    # Before the model loads: a tracker that cannot open (a missing package, a wrong URI) fails now.
+    trackers = await anyio.to_thread.run_sync(trainer_trackers, cfg)
+    try:
+        await _serve(ctx, trackers)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(trackers.close)
+
+
+async def _serve(ctx: WorkerContext, trackers: Trackers) -> None:
     from areal_async.training.learner import Learner, init_trainer_process_group
 
     cfg = ctx.cfg
@@ -490,7 +536,7 @@ async def serve(ctx: WorkerContext) -> None:
     model_path = resolve_model_path(cfg.model.path)
     learner = await anyio.to_thread.run_sync(Learner, cfg, model_path)
     trained_ids = await anyio.to_thread.run_sync(_restore, cfg, learner)
-    trainer = Trainer(ctx, learner, trained_ids=trained_ids)
+    trainer = Trainer(ctx, learner, trained_ids=trained_ids, trackers=trackers)
     ctx.policy_version = learner.version
     try:
         published = await trainer.run_state.weights(WEIGHTS_PUBLISHED)
@@ -513,6 +559,7 @@ async def serve(ctx: WorkerContext) -> None:
             tg.start_soon(trainer.receive)
             tg.start_soon(trainer.keep_alive)
             tg.start_soon(trainer.write_weights)
+            await tg.start(trainer.log_evaluations)
             if trainer.sender is not None:
                 tg.start_soon(trainer.sender.serve, trainer.bus)
             tg.start_soon(_wake_on_end, ctx, trainer)
@@ -526,6 +573,8 @@ async def serve(ctx: WorkerContext) -> None:
             ctx.set_status("done", f"policy version {trainer.version}")
             log.info("training finished", policy_version=trainer.version)
             await ctx.ended.wait()
+            if trackers.names:  # the final evaluation's report, queued before run.ended
+                await anyio.sleep(EVAL_GRACE_S)
             tg.cancel_scope.cancel()
     finally:
         await anyio.to_thread.run_sync(learner.stop)

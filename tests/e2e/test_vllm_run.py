@@ -282,7 +282,8 @@ def test_vllm_run_serves_every_trained_version(
             "transport": transport,
         },  # v1..v4 for the log-prob check
         bus={"ack_wait_s": 120},
-        logging={"format": "json", "tensorboard": False},
+        logging={"format": "json"},
+        metrics={"loggers": []},
     )
     run_dir = tmp_path / run
     # The module's server holds the previous run's last weights, but VLLMEngine.start() does not reload

@@ -57,7 +57,8 @@ def tiny_config(tmp: Path, model_dir: Path, name: str, **sections: Any) -> Path:
         },
         "checkpoint": {"every_steps": 5},
         "bus": {"ack_wait_s": 15},
-        "logging": {"format": "json", "tensorboard": True},
+        "logging": {"format": "json"},
+        "metrics": {"loggers": ["tensorboard"]},
     }
     for key, value in sections.items():
         node = cfg

@@ -42,7 +42,7 @@ def _context(bus: Bus, run_name: str, tmp_path: Path, role: str) -> WorkerContex
             "model": {"path": str(tmp_path / "model")},
             "dataset": {"kind": "mode_select", "eval_size": 0},
             "trainer": {"batch_size": 2, "total_steps": 3},
-            "logging": {"tensorboard": False},
+            "metrics": {"loggers": []},
         }
     )
     cfg.run_dir.mkdir(parents=True, exist_ok=True)

@@ -35,9 +35,15 @@ ROWS = [
 KILL_AT_STEP_6 = """
 import os, signal, sys
 from areal_async.training import sft
+from workers import sft as command
+opened = []
+open_trackers = command.open_trackers
+command.open_trackers = lambda *args, **kwargs: opened.append(open_trackers(*args, **kwargs)) or opened[-1]
 train_step = sft.SFTTrainer.step
 def step(self, index):
     if index == 5:
+        for trackers in opened:  # between steps: the trackers' thread is done with step 5
+            trackers.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     return train_step(self, index)
 sft.SFTTrainer.step = step
@@ -60,7 +66,8 @@ dir: {root}/unset
 model: {{path: {model}}}
 trainer: {{dtype: float32, micro_batch_tokens: 256, num_threads: 1, optimizer: {{lr: 0.003}}}}
 checkpoint: {{every_steps: 3, keep: 2}}
-logging: {{tensorboard: false, format: json}}
+logging: {{format: json}}
+metrics: {{loggers: []}}
 sft: {{data: {data}, eval_fraction: 0.1, batch_size: 8, epochs: 2, eval_every: 2}}
 """
     )
@@ -220,22 +227,33 @@ def test_the_command_refuses_a_bad_row_naming_its_line(setup: dict[str, Path], t
 
 
 def test_a_killed_run_resumes_from_its_checkpoint_on_the_same_curve(
-    setup: dict[str, Path], baseline: Path
+    setup: dict[str, Path], baseline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGKILL after the step-3 checkpoint, then the same command again: steps 4-10 repeat the
     uninterrupted run's losses bit for bit (same batches, restored weights, optimizer and schedule,
-    the same float operations in the same order on one thread), and metrics.jsonl holds each step once."""
+    the same float operations in the same order on one thread), and metrics.jsonl holds each step
+    once; so does the MLflow run, which the second process continues."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path / 'mlruns'}"
+    trackers = ["--set", "metrics.loggers=[mlflow]", "--set", f"metrics.mlflow.tracking_uri={uri}"]
     run_dir = setup["root"] / "killed"
-    killed = run(sft_command(setup, run_dir, sys.executable, "-c", KILL_AT_STEP_6), check=False)
+    killed = run([*sft_command(setup, run_dir, sys.executable, "-c", KILL_AT_STEP_6), *trackers], check=False)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert (run_dir / "sft" / "checkpoints" / "latest").read_text().strip() == "step_3"
     assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2, 3, 4, 5]
 
-    run(sft_command(setup, run_dir, sys.executable, "-m", "workers"))
+    run([*sft_command(setup, run_dir, sys.executable, "-m", "workers"), *trackers])
     want, got = metrics(baseline), metrics(run_dir)
     assert [m["step"] for m in got] == list(range(11))
     for key in ("loss", "eval_loss", "lr", "tokens", "grad_norm"):
         assert [m.get(key) for m in got] == [m.get(key) for m in want], key
+    client = MlflowClient(tracking_uri=uri)
+    (tracked,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert tracked.info.run_name == "sft-sft" and tracked.info.status == "FINISHED"
+    history = client.get_metric_history(tracked.info.run_id, "sft/loss")
+    assert sorted((m.step, m.value) for m in history) == [(m["step"], m["loss"]) for m in want if "loss" in m]
     manifest = json.loads((run_dir / "sft" / "model" / "manifest.json").read_text())
     assert manifest == json.loads((baseline / "sft" / "model" / "manifest.json").read_text())
 

@@ -231,6 +231,46 @@ def test_the_old_and_the_new_context_parallel_key_must_agree(tmp_path: Path) -> 
         load_config(path)
 
 
+def test_trackers_default_to_tensorboard_and_take_a_list_of_known_names() -> None:
+    """``metrics.loggers`` is TensorBoard alone by default and takes any list of the three trackers."""
+    assert load_config(None).metrics.loggers == ["tensorboard"]
+    cfg = load_config(None, ["metrics.loggers=[tensorboard, wandb, mlflow]", "metrics.wandb.mode=offline"])
+    assert cfg.metrics.loggers == ["tensorboard", "wandb", "mlflow"] and cfg.metrics.wandb.mode == "offline"
+    assert load_config(None, ["metrics.loggers=[]"]).metrics.loggers == []
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("metrics.loggers=[tensorboard, wandbb]", r"unknown logger 'wandbb'; did you mean 'wandb'\?"),
+        ("metrics.loggers=[mlflow, mlflow]", r"mlflow named more than once"),
+        ("metrics.loggers=wandb", r"metrics.loggers: expected a list, got 'wandb'"),
+        ("metrics.wandb.mode=ofline", r"'ofline' is not one of .*did you mean 'offline'\?"),
+        ("metrics.rollout_every=0", r"rollout_every must be > 0"),
+    ],
+)
+def test_tracker_settings_are_checked_with_the_fix(override: str, message: str) -> None:
+    """An unknown or repeated logger, a single name instead of a list, a misspelt W&B mode and a
+    zero table interval are refused at load, naming the key."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_the_tensorboard_switch_of_older_run_files_is_read_as_metrics_loggers(tmp_path: Path) -> None:
+    """``logging.tensorboard: false`` is ``metrics.loggers`` without tensorboard (with a warning naming
+    the new key); ``true`` keeps it; a file whose two keys disagree is refused."""
+    with structlog.testing.capture_logs() as logs:
+        cfg = load_config(_write(tmp_path, "logging:\n  tensorboard: false\n  format: json\n"))
+    assert cfg.metrics.loggers == [] and cfg.logging.format == "json"
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["key"] == "logging.tensorboard" and "metrics.loggers: []" in warning["fix"]
+    assert load_config(None, ["logging.tensorboard=true"]).metrics.loggers == ["tensorboard"]
+    same = load_config(None, ["logging.tensorboard=true", "metrics.loggers=[tensorboard, mlflow]"])
+    assert same.metrics.loggers == ["tensorboard", "mlflow"]
+    with pytest.raises(ConfigError, match=r"logging.tensorboard=False and metrics.loggers=.* disagree"):
+        load_config(None, ["logging.tensorboard=false", "metrics.loggers=[tensorboard]"])
+
+
 def test_resolved_config_is_written_and_reloads_identically(tmp_path: Path) -> None:
     """Each worker writes the resolved config; reading it back gives the same tree."""
     cfg = load_config(None, [f"dir={tmp_path}/{{name}}", "rollout.group_size=5"])
