@@ -47,7 +47,7 @@ from areal_async.config import RunConfig
 from areal_async.errors import ConfigError
 from areal_async.files import write_text_atomic
 from workers.common import append_jsonl, resolve_model_path
-from workers.trackers import Trackers, open_trackers
+from workers.trackers import Trackers, open_trackers, require_trackers
 
 log = structlog.get_logger(__name__)
 
@@ -61,31 +61,20 @@ def run_sft(cfg: RunConfig) -> dict[str, Any]:
             "or pass --set sft.data=PATH"
         )
     from areal_async.logs import configure_logging
-    from areal_async.run_file import config_to_dict
     from areal_async.training.learner import init_trainer_process_group
 
     init_trainer_process_group(cfg.trainer.device)
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(level=cfg.logging.level, fmt=cfg.logging.format, role="sft", rank=rank)
-    # Rank 0, before the model loads: a tracker that cannot open (a missing package) fails now.
-    trackers = (
-        open_trackers(
-            cfg.metrics, root=cfg.sft_dir, name=f"{cfg.name}-sft", config=config_to_dict(cfg), section="sft"
-        )
-        if rank == 0
-        else None
-    )
-    try:
-        return _train(cfg, rank, trackers)
-    finally:
-        if trackers is not None:
-            trackers.close()
+    if rank == 0:  # a missing tracker package fails before anything is read or written
+        require_trackers(cfg.metrics)
+    return _train(cfg, rank)
 
 
-def _train(cfg: RunConfig, rank: int, trackers: Trackers | None) -> dict[str, Any]:
+def _train(cfg: RunConfig, rank: int) -> dict[str, Any]:
     from areal_async.data.sft import load_examples
     from areal_async.models import load_tokenizer, set_torch_threads
-    from areal_async.run_file import write_resolved_config
+    from areal_async.run_file import config_to_dict, write_resolved_config
     from areal_async.training.learner import make_engine
     from areal_async.training.sft import SFTTrainer
 
@@ -113,14 +102,48 @@ def _train(cfg: RunConfig, rank: int, trackers: Trackers | None) -> dict[str, An
     engine = make_engine(engine_cfg, model_path, temperature=1.0)
     trainer = SFTTrainer(engine, train, held_out, batch_size=sft.batch_size, epochs=sft.epochs, seed=cfg.seed)
     root = cfg.sft_dir
-    if rank == 0:
+    trackers: Trackers | None = None
+    if rank == 0:  # the rows are good: now the run's folder and its tracker runs may be made
         root.mkdir(parents=True, exist_ok=True)
         write_resolved_config(cfg, "sft")
+        trackers = open_trackers(
+            cfg.metrics, root=root, name=f"{cfg.name}-sft", config=config_to_dict(cfg), section="sft"
+        )
+    try:
+        return _steps(
+            cfg,
+            rank,
+            trainer,
+            engine,
+            trackers,
+            train_rows=len(train),
+            held_out_rows=len(held_out),
+            skipped=skipped,
+        )
+    finally:
+        if trackers is not None:
+            trackers.close()
+
+
+def _steps(
+    cfg: RunConfig,
+    rank: int,
+    trainer: Any,
+    engine: Any,
+    trackers: Trackers | None,
+    *,
+    train_rows: int,
+    held_out_rows: int,
+    skipped: dict[str, int],
+) -> dict[str, Any]:
+    """Train from the latest checkpoint to the end, log each step, write the model."""
+    root = cfg.sft_dir
+    assert cfg.sft is not None
     start = trainer.restore(root, cfg.checkpoint.resume)
     log.info(
         "sft start",
-        rows=len(train),
-        held_out=len(held_out),
+        rows=train_rows,
+        held_out=held_out_rows,
         steps=trainer.total_steps,
         start_step=start,
         ranks=engine.world_size,
@@ -134,7 +157,9 @@ def _train(cfg: RunConfig, rank: int, trackers: Trackers | None) -> dict[str, An
             "sft step done", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}
         )
 
-    done = trainer.run(root, cfg.checkpoint, start=start, eval_every=sft.eval_every, on_metrics=on_metrics)
+    done = trainer.run(
+        root, cfg.checkpoint, start=start, eval_every=cfg.sft.eval_every, on_metrics=on_metrics
+    )
     out = cfg.sft_out
     engine.save_merged_hf(out)
     last = writer.last if writer is not None else {}
@@ -143,8 +168,8 @@ def _train(cfg: RunConfig, rank: int, trackers: Trackers | None) -> dict[str, An
         "steps": done,
         "loss": last.get("loss"),
         "eval_loss": last.get("eval_loss"),
-        "rows": len(train),
-        "held_out": len(held_out),
+        "rows": train_rows,
+        "held_out": held_out_rows,
         "skipped": dict(skipped),
     }
     log.info("sft done", **summary)

@@ -389,6 +389,14 @@ class Trackers:
         self.trackers = []
 
 
+def require_trackers(metrics: MetricsConfig) -> None:
+    """Raise ``ConfigError`` naming the extra to install when a package ``metrics.loggers`` needs is
+    missing; reads and writes nothing."""
+    for logger in metrics.loggers:
+        if logger in ("wandb", "mlflow"):
+            _require(logger, logger)
+
+
 def open_trackers(
     metrics: MetricsConfig,
     *,
@@ -400,9 +408,7 @@ def open_trackers(
     """Open ``metrics.loggers`` for the run ``name``, continuing the tracker runs that
     ``<root>/trackers.json`` names; a new tracker run gets ``config``. Raises at once on a missing
     package or a tracker that cannot be opened (having closed the ones it opened)."""
-    for logger in metrics.loggers:  # every package first: nothing is opened when one is missing
-        if logger in ("wandb", "mlflow"):
-            _require(logger, logger)
+    require_trackers(metrics)  # every package first: nothing is opened when one is missing
     root.mkdir(parents=True, exist_ok=True)
     state_path = root / STATE_FILE
     state = _read_state(state_path)
