@@ -299,10 +299,6 @@ def tensors_of(flat: np.ndarray, manifest: list[list[Any]]) -> dict[str, torch.T
     return unpack(bucket, torch.from_numpy(flat))
 
 
-def chunk_digests(payload: bytes, chunk_bytes: int) -> list[str]:
-    return [codec.digest(payload[i : i + chunk_bytes]) for i in range(0, max(len(payload), 1), chunk_bytes)]
-
-
 @dataclass
 class Held:
     """The version a writer diffs against, or a reader applies deltas to."""
@@ -353,7 +349,7 @@ class BusWeightWriter:
             await self._start()
         t0 = time.perf_counter()
         flat, manifest, word_bytes = await anyio.to_thread.run_sync(flatten, tensors)
-        digest = await anyio.to_thread.run_sync(codec.digest, flat)
+        digest = await anyio.to_thread.run_sync(codec.version_digest, flat)
         base = self.held if self.held is not None and self.held.flat.size == flat.size else None
         anchor_due = base is None or self.since_anchor + 1 >= self.anchor_every
         objects: list[tuple[str, bytes, str, Held | None]] = []
@@ -374,7 +370,7 @@ class BusWeightWriter:
                 size=int(flat.size),
                 word_bytes=word_bytes,
                 manifest=manifest,
-                chunks=chunk_digests(payload, self.chunk_bytes),
+                chunks=codec.piece_digests(payload, self.chunk_bytes),
                 payload_bytes=len(payload),
                 seq=self.seq,
                 base_version=based_on.policy_version if based_on else -1,
@@ -453,7 +449,7 @@ class BusWeightReader:
                 else:
                     assert flat is not None
                     flat = await anyio.to_thread.run_sync(codec.apply_delta, flat, payload, record.word_bytes)
-                digest = await anyio.to_thread.run_sync(codec.digest, flat)
+                digest = await anyio.to_thread.run_sync(codec.version_digest, flat)
                 if digest != record.digest:
                     raise BusWeightsUnavailable(
                         f"version {record.policy_version} rebuilt through {record.slot} has digest "

@@ -366,7 +366,7 @@ def test_vllm_run_serves_every_trained_version(
         assert [(r["policy_version"], r["via"]) for r in loads] == [(v, "bus") for v in loaded], loads
         assert all(r["digest"] == written[r["policy_version"]]["digest"] for r in loads)
         last = load_file(run_dir / "weights" / f"v{TOTAL_STEPS}" / "model.safetensors")
-        assert codec.digest(flatten(last)[0]) == written[TOTAL_STEPS]["digest"]
+        assert codec.version_digest(flatten(last)[0]) == written[TOTAL_STEPS]["digest"]
     assert seen.ended and seen.ended[-1].policy_version == TOTAL_STEPS, seen.ended
 
     # The trained groups as the generation worker published them: per-token versions.

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -23,12 +26,25 @@ def trained_versions(dtype: torch.dtype, steps: int, lr: float = 1e-4) -> list[n
     return out
 
 
+@pytest.fixture(params=[None, 1024], ids=["one-slice", "many-slices"])
+def slice_bytes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The codec's slice size: its default (a whole test version in one frame) or 1 KiB."""
+    if request.param is not None:
+        monkeypatch.setattr(codec, "SLICE_BYTES", request.param)
+    return codec.SLICE_BYTES
+
+
 @pytest.mark.parametrize(
     ("dtype", "word_bytes"), [(torch.bfloat16, 2), (torch.float32, 4), (torch.bfloat16, 1)]
 )
-def test_anchor_and_delta_rebuild_every_version_bit_for_bit(dtype: torch.dtype, word_bytes: int) -> None:
-    """Decoding an anchor, and applying each delta to its base, gives back the exact bytes."""
+def test_anchor_and_delta_rebuild_every_version_bit_for_bit(
+    dtype: torch.dtype, word_bytes: int, slice_bytes: int
+) -> None:
+    """Decoding an anchor, and applying each delta to its base, gives back the exact bytes, in one
+    frame or in one frame per slice."""
     versions = trained_versions(dtype, 4)
+    frames = -(-versions[0].size // slice_bytes)
+    assert struct.unpack_from("<I", codec.encode_anchor(versions[0], word_bytes), 4) == (frames,)
     rebuilt = codec.decode_anchor(codec.encode_anchor(versions[0], word_bytes), versions[0].size, word_bytes)
     assert np.array_equal(rebuilt, versions[0])
     for base, new in zip(versions, versions[1:], strict=False):
@@ -52,6 +68,44 @@ def test_a_damaged_or_mismatched_payload_is_refused() -> None:
         codec.apply_delta(base[:-2], payload, 2)
     with pytest.raises(codec.CodecError):
         codec.decode_anchor(codec.encode_anchor(new, 2), new.size + 2, 2)
+
+
+def test_a_damaged_frame_table_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A payload without the frame marker, with a frame count or frame lengths that do not fit the
+    version, raises CodecError before anything is decoded."""
+    monkeypatch.setattr(codec, "SLICE_BYTES", 1024)
+    base, new = trained_versions(torch.bfloat16, 1)
+    payload = bytearray(codec.encode_delta(new, base, 2))
+    assert codec.apply_delta(base, bytes(payload), 2).tobytes() == new.tobytes()
+    for damaged in (
+        b"XXXX" + payload[4:],  # not a framed payload
+        payload[:4] + struct.pack("<I", 3) + payload[8:],  # 3 frames for 8 slices
+        payload[:8] + struct.pack("<Q", 1 + struct.unpack_from("<Q", payload, 8)[0]) + payload[16:],
+        payload[:-1],  # the last frame cut short
+    ):
+        with pytest.raises(codec.CodecError):
+            codec.apply_delta(base, bytes(damaged), 2)
+
+
+def test_the_version_digest_covers_every_slice_and_not_the_thread_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sha256 over each slice's sha256; any changed byte changes it; one thread or many agree."""
+    monkeypatch.setattr(codec, "SLICE_BYTES", 1024)
+    data = np.random.default_rng(0).integers(0, 256, size=5000, dtype=np.uint8)
+    by_hand = hashlib.sha256(
+        b"".join(hashlib.sha256(data[i : i + 1024].tobytes()).digest() for i in range(0, 5000, 1024))
+    ).hexdigest()
+    assert codec.version_digest(data) == codec.version_digest(data.tobytes()) == by_hand
+    monkeypatch.setattr(codec, "threads", lambda: 1)
+    assert codec.version_digest(data) == by_hand
+    for i in (0, 1023, 1024, 4999):
+        changed = data.copy()
+        changed[i] ^= 1
+        assert codec.version_digest(changed) != by_hand
+    assert codec.piece_digests(data, 2048) == [
+        hashlib.sha256(data[i : i + 2048]).hexdigest() for i in (0, 2048, 4096)
+    ]
 
 
 def test_word_width_is_the_common_element_size() -> None:
