@@ -36,7 +36,9 @@ def browser_page(width: int = 1400, height: int = 900) -> Iterator[Any]:
         raise RuntimeError("chromium is missing: apt-get install -y chromium (or set AREAL_CHROMIUM)")
     with sync_playwright() as pw:
         browser = pw.chromium.launch(
-            executable_path=exe, headless=True, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+            executable_path=exe,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
         )
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
