@@ -295,9 +295,11 @@ class RunView:
             silent = max(0.0, now - w.heard_at)
             if worker_id in self.stalled:
                 state = "stalled"
+            elif self.source == "store":
+                state = "exited"  # the run's server is down: no worker of it is heard
             elif silent <= 2 * self.interval_s + 1.0:
                 state = "live"
-            elif self.ended is not None or self.source == "store":
+            elif self.ended is not None:
                 state = "exited"
             elif silent <= self.ttl_s:
                 state = "late"
