@@ -17,7 +17,8 @@ user, or, for a finished embedded run, to a temporary server on its JetStream st
 Binding: 127.0.0.1 by default, reached from elsewhere through an SSH tunnel (printed). Any other
 address needs a token (``--token``, else ``AREAL_DASHBOARD_TOKEN``, else one is generated and
 printed); the page's URL carries it once, and every request is checked. The URL goes to stdout and
-to ``<run_dir>/dashboard.url`` (mode 0600), which ``areal-async run --dashboard`` prints.
+to ``<run_dir>/dashboard.url`` (mode 0600), which ``areal-async run --dashboard`` prints. On exit it
+reports what it took from the bus (``dashboard bus use: {in_msgs, in_bytes, out_msgs, out_bytes}``).
 
 Needs the ``dashboard`` extra (starlette, uvicorn); torch is never imported.
 """
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import getpass
 import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -117,10 +119,13 @@ def _server_class() -> type:
     return Server
 
 
-async def _stop_on_signal(server: Any, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+async def _stop_on_signal(
+    server: Any, closing: anyio.Event, *, task_status: Any = anyio.TASK_STATUS_IGNORED
+) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
         async for _ in signals:
+            closing.set()  # event streams end, so the server's graceful stop does not wait on them
             server.should_exit = True
             return
 
@@ -135,7 +140,6 @@ async def _serve(args: argparse.Namespace) -> int:
     from workers.dashboard.view import RunView
     from workers.inspect import open_run, resolve_target
 
-    _Server = _server_class()
     target = resolve_target(args)
     token = choose_token(args.host, args.token)
     sock = _bind(args.host, args.port)
@@ -150,13 +154,19 @@ async def _serve(args: argparse.Namespace) -> int:
             source="store" if from_store else "live",
         )
         await load_stored(bus, view, cfg.run_dir if cfg else None)
-        server = uvicorn.Server(
+        closing = anyio.Event()
+        server = _server_class()(
             uvicorn.Config(
-                create_app(view, token=token), log_level="warning", access_log=False, lifespan="off"
+                create_app(view, token=token, closing=closing),
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=2,  # an open event stream does not end by itself
             )
         )
         async with anyio.create_task_group() as tg:
             await tg.start(follow, bus, view)
+            await tg.start(_stop_on_signal, server, closing)
             url, text = announce(args.host, sock.getsockname()[1], token, target.run)
             if cfg is not None:
                 _write_url(cfg.run_dir, url)
@@ -164,6 +174,8 @@ async def _serve(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             await server.serve(sockets=[sock])
             tg.cancel_scope.cancel()
+        stats = {k: bus.nc.stats[k] for k in ("in_msgs", "in_bytes", "out_msgs", "out_bytes")}
+        sys.stderr.write(f"dashboard bus use: {json.dumps(stats)}\n")
     return 0
 
 

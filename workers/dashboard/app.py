@@ -89,8 +89,10 @@ def _json_response(data: Any) -> Response:
     return Response(_json.encode(data), media_type="application/json", headers={"Cache-Control": "no-store"})
 
 
-def create_app(view: RunView, *, token: str | None = None) -> ASGIApp:
-    """The ASGI app over ``view``; ``token`` None leaves it open (loopback binds only)."""
+def create_app(view: RunView, *, token: str | None = None, closing: anyio.Event | None = None) -> ASGIApp:
+    """The ASGI app over ``view``; ``token`` None leaves it open (loopback binds only). Setting
+    ``closing`` ends every event stream within a push interval (the server can then stop)."""
+    closing = closing or anyio.Event()
 
     async def index(_request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
@@ -109,11 +111,14 @@ def create_app(view: RunView, *, token: str | None = None) -> ASGIApp:
             nonlocal cursor
             seen = view.revision
             yield b"retry: 2000\n\n"
-            while True:
+            while not closing.is_set():
                 idle = 0.0
-                while view.revision == seen and idle < IDLE_PUSH_S:
-                    await anyio.sleep(PUSH_INTERVAL_S)
+                while view.revision == seen and idle < IDLE_PUSH_S and not closing.is_set():
+                    with anyio.move_on_after(PUSH_INTERVAL_S):
+                        await closing.wait()
                     idle += PUSH_INTERVAL_S
+                if closing.is_set():
+                    return
                 seen = view.revision
                 update = view.since(cursor)
                 cursor = update["cursor"]
