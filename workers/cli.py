@@ -196,10 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             dashboard_port = (
                 args.dashboard_port if args.dashboard or args.dashboard_port is not None else None
             )
-            if args.dashboard and dashboard_port is None:
-                from workers.dashboard import DEFAULT_PORT
+            if dashboard_port is not None or args.dashboard:
+                from workers.dashboard import DEFAULT_PORT, require_extra
 
-                dashboard_port = DEFAULT_PORT
+                require_extra()  # before any worker starts
+                dashboard_port = DEFAULT_PORT if dashboard_port is None else dashboard_port
             return launch(
                 args.config, args.overrides, roles=roles, live=not args.no_live, dashboard_port=dashboard_port
             )

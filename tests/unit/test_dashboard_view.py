@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import builtins
 import sys
 from types import SimpleNamespace
 
 import pytest
 
+from areal_async.errors import ConfigError
 from bus import events as ev
+from workers.cli import main
 from workers.dashboard import choose_token, dashboard_main, is_loopback
 from workers.dashboard.view import RunView
 
@@ -99,17 +100,15 @@ def test_only_a_loopback_bind_goes_without_a_token() -> None:
     assert choose_token("10.0.0.5", "given") == "given"
 
 
-def test_without_the_dashboard_extra_the_error_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With uvicorn not importable, ``areal-async dashboard`` fails with a ConfigError that says
-    which extra to install (the CLI prints it as one line)."""
-    real_import = builtins.__import__
-
-    def no_uvicorn(name: str, *args: object, **kwargs: object) -> object:
-        if name == "uvicorn":
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.delitem(sys.modules, "uvicorn", raising=False)
-    monkeypatch.setattr(builtins, "__import__", no_uvicorn)
-    with pytest.raises(Exception, match=r"areal-async\[dashboard\]"):
+def test_without_the_dashboard_extra_the_error_names_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With uvicorn not importable, ``areal-async dashboard`` and ``areal-async run --dashboard``
+    fail before anything starts, with one line that names the extra to install."""
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    with pytest.raises(
+        ConfigError, match=r"'dashboard' extra \(uvicorn is missing\).*areal-async\[dashboard\]"
+    ):
         dashboard_main(SimpleNamespace())
+    assert main(["run", "no-such-run.yaml", "--dashboard"]) == 2
+    assert "error: ConfigError: the dashboard needs the 'dashboard' extra" in capsys.readouterr().err

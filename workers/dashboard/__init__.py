@@ -130,11 +130,21 @@ async def _stop_on_signal(
             return
 
 
-async def _serve(args: argparse.Namespace) -> int:
+def require_extra() -> None:
+    """ConfigError naming the extra to install when starlette or uvicorn cannot be imported."""
     try:
-        import uvicorn
-    except ImportError:
-        raise ConfigError(f"the dashboard needs the 'dashboard' extra: {EXTRA_HINT}") from None
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"the dashboard needs the 'dashboard' extra ({exc.name} is missing): {EXTRA_HINT}"
+        ) from None
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    require_extra()
+    import uvicorn
+
     from workers.dashboard.app import create_app
     from workers.dashboard.reader import follow, load_stored
     from workers.dashboard.view import RunView
@@ -182,6 +192,7 @@ async def _serve(args: argparse.Namespace) -> int:
 def dashboard_main(args: argparse.Namespace) -> int:
     from areal_async.logs import configure_logging
 
+    require_extra()
     configure_logging(level="warning", fmt="console")
     return anyio.run(_serve, args, backend="asyncio")
 
