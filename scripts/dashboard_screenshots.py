@@ -16,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,7 +47,10 @@ def _send_garbage(run_dir: Path, run: str) -> None:
         finally:
             await bus.close()
 
-    anyio.run(send, backend="asyncio")
+    # Playwright's sync API holds this thread's event loop: send from a thread of its own.
+    sender = threading.Thread(target=anyio.run, args=(send,), kwargs={"backend": "asyncio"})
+    sender.start()
+    sender.join()
 
 
 def main() -> None:
@@ -97,6 +101,7 @@ def main() -> None:
             page.wait_for_selector("#letters-table tr[data-kind='dead letter']", timeout=WAIT_MS)
             page.screenshot(path=args.out / "dashboard-letters.png")
             page.click("nav a[data-page=rollouts]")
+            page.select_option("#f-kind", "train")  # a training group: all its completions
             page.wait_for_selector("#rollout-list .group", timeout=WAIT_MS)
             page.screenshot(path=args.out / "dashboard-rollouts.png")
             page.click("nav a[data-page=steps]")
