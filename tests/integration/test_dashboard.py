@@ -54,10 +54,13 @@ def test_off_loopback_every_request_needs_the_token_and_nothing_but_get_is_serve
 
 
 def test_on_loopback_no_token_is_needed_and_the_url_says_how_to_tunnel(finished_run: Path) -> None:
-    """The default bind is 127.0.0.1, served without a token; the printed lines carry the SSH hint."""
+    """The default bind is 127.0.0.1, served without a token to loopback names only (not to a page of
+    another site that rebinds its name to 127.0.0.1); the printed lines carry the SSH hint."""
     with dashboard_process(finished_run) as url:
         assert url.startswith("http://127.0.0.1:") and "token" not in url
         assert httpx.get(url + "api/snapshot", timeout=10).status_code == 200
+        rebound = httpx.get(url + "api/snapshot", headers={"Host": "attacker.example"}, timeout=10)
+        assert rebound.status_code == 421  # a name rebound to 127.0.0.1 is not served
         printed = (finished_run.parent / "finished-dashboard.out").read_text()
         assert "ssh -N -L" in printed
 

@@ -42,8 +42,13 @@ READ_METHODS = frozenset({"GET", "HEAD"})
 _json = msgspec.json.Encoder()
 
 
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 class ReadOnlyGuard:
-    """Refuses every method but GET and HEAD, then checks the token (when one is set)."""
+    """Refuses every method but GET and HEAD, then checks the token (when one is set); without a
+    token only loopback host names are served (a page elsewhere cannot reach the dashboard through a
+    name it rebinds to 127.0.0.1)."""
 
     def __init__(self, app: ASGIApp, token: str | None) -> None:
         self.app = app
@@ -61,6 +66,10 @@ class ReadOnlyGuard:
             await response(scope, receive, send)
             return
         if self.token is None:
+            if (request.url.hostname or "").strip("[]") not in LOOPBACK_NAMES:
+                response = PlainTextResponse("open the dashboard as http://127.0.0.1:PORT/", 421)
+                await response(scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
         given = request.query_params.get("token")
