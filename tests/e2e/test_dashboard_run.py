@@ -110,7 +110,11 @@ def test_dashboard_shows_a_live_run_a_killed_worker_replaced_and_the_finished_ru
             assert "+" in prompt and prompt.strip().endswith("="), prompt  # mode_select: "3+4="
             reward = page.get_attribute("#rollout-list .group .completion", "data-reward")
             assert reward in ("0", "1"), reward  # arithmetic_strict: 0 or 1
-            assert page.inner_text("#rollout-list .group .completion span:first-child").startswith("r ")
+            completion = page.locator("#rollout-list .group .completion").first
+            assert completion.locator("span").nth(0).inner_text().startswith("r ")  # its reward
+            assert completion.locator("span").nth(1).inner_text().endswith(" tok")  # its token count
+            assert completion.locator("pre").count() == 1  # its text
+            assert page.locator("#rollout-list .group").count() >= 1
     finally:
         res = finish_job(proc, run_dir, started, timeout=300)
     assert res.returncode == 0, res.output[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -112,3 +113,14 @@ def test_without_the_dashboard_extra_the_error_names_it(
         dashboard_main(SimpleNamespace())
     assert main(["run", "no-such-run.yaml", "--dashboard"]) == 2
     assert "error: ConfigError: the dashboard needs the 'dashboard' extra" in capsys.readouterr().err
+
+
+def test_the_dashboard_imports_no_torch() -> None:
+    """The dashboard starts fast: its modules (and inspect's, which it reuses) pull in neither torch
+    nor transformers."""
+    code = (
+        "import sys, workers.dashboard, workers.dashboard.app, workers.dashboard.reader; "
+        "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
