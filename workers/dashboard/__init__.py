@@ -78,7 +78,6 @@ def _bind(host: str, port: int) -> socket.socket:
             f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port (0: any free one)"
         ) from None
     sock.listen(128)
-    sock.set_inheritable(True)
     return sock
 
 

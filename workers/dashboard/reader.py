@@ -62,7 +62,8 @@ def _decoded(data: bytes, expected: type[Any]) -> Any | None:
 
 
 async def _stored(bus: Any, key: str, count: int) -> list[tuple[int, bytes, float]]:
-    """(seq, data, stored time) of the newest ``count`` messages of a stream, oldest first."""
+    """(seq, data, stored time) of up to ``count`` of the newest messages of a stream, oldest first
+    (among the last ``4 * count`` sequence numbers: a work queue's acked messages leave gaps)."""
     spec = bus.subjects.stream(key)
     try:
         info = await bus.js.stream_info(spec.name)
@@ -72,7 +73,8 @@ async def _stored(bus: Any, key: str, count: int) -> list[tuple[int, bytes, floa
         return []
     out = []
     seq = info.state.last_seq
-    while seq >= max(info.state.first_seq, 1) and len(out) < count:
+    lowest = max(info.state.first_seq, 1, seq - 4 * count)  # acked gaps: look no further back
+    while seq >= lowest and len(out) < count:
         try:
             raw = await bus.js.get_msg(spec.name, seq)
         except Exception:  # acked (work queue) or removed by limits
