@@ -74,11 +74,11 @@ function drawChart(canvas, series, { yMin = null, hline = null } = {}) {
   g.clearRect(0, 0, w, h);
   const pad = { l: 48, r: 24, t: 22, b: 24 };
   const pts = series.flatMap((s) => s.xs.map((x, i) => [x, s.ys[i]]).filter(([x, y]) => x !== null && y !== null));
-  canvas.dataset.points = Math.max(0, ...series.map((s) => s.ys.filter((y) => y !== null).length));
+  canvas.dataset.points = series.reduce((m, s) => Math.max(m, s.ys.filter((y) => y !== null).length), 0);
   g.font = "11px system-ui, sans-serif";
   if (!pts.length) { g.fillStyle = "#6a737d"; g.fillText("no data yet", pad.l, h / 2); return; }
-  let [x0, x1] = [Math.min(...pts.map((p) => p[0])), Math.max(...pts.map((p) => p[0]))];
-  let [y0, y1] = [Math.min(...pts.map((p) => p[1])), Math.max(...pts.map((p) => p[1]))];
+  let [x0, x1, y0, y1] = [Infinity, -Infinity, Infinity, -Infinity];  // loops: a long run outgrows spread arguments
+  for (const [x, y] of pts) { x0 = Math.min(x0, x); x1 = Math.max(x1, x); y0 = Math.min(y0, y); y1 = Math.max(y1, y); }
   if (hline !== null) { y0 = Math.min(y0, hline); y1 = Math.max(y1, hline); }
   if (yMin !== null) y0 = Math.min(y0, yMin);
   if (x1 === x0) x1 = x0 + 1;
@@ -123,7 +123,7 @@ function renderSteps() {
   if (!d || !$("#page-steps").classList.contains("active")) return;
   const st = d.steps, n = st.step.length;
   $("#steps-count").textContent = `${n} step${n === 1 ? "" : "s"}`;
-  const t0 = n ? Math.min(...st.time.filter((t) => t !== null)) : 0;
+  const t0 = st.time.reduce((m, t) => (t === null ? m : Math.min(m, t)), Infinity);
   const byTime = state.xaxis === "time";
   const xs = byTime ? st.time.map((t) => (t === null ? null : t - t0)) : st.step;
   const timeOf = new Map(st.step.map((s, i) => [s, st.time[i]]));
@@ -225,9 +225,20 @@ function merge(u) {
   if (u.letters.length) renderLetters();
 }
 
+function retry(why) {
+  $("#status").textContent = `${why}; retrying…`;
+  setTimeout(start, 3000);
+}
+
 async function start() {
   if (state.source) { state.source.close(); state.source = null; }
-  const r = await fetch("api/snapshot", { credentials: "same-origin" });
+  let r;
+  try {
+    r = await fetch("api/snapshot", { credentials: "same-origin" });
+  } catch (e) {
+    retry("the dashboard is unreachable");
+    return;
+  }
   if (!r.ok) { $("#status").textContent = `error ${r.status}: ${await r.text()}`; return; }
   state.data = await r.json();
   state.cursor = state.data.cursor;
@@ -235,7 +246,7 @@ async function start() {
   const q = new URLSearchParams(Object.entries(state.cursor).map(([k, v]) => [k, String(v)]));
   const src = new EventSource(`api/events?${q}`);
   src.addEventListener("update", (e) => merge(JSON.parse(e.data)));
-  src.onerror = () => { src.close(); $("#status").textContent += " · reconnecting…"; setTimeout(start, 2000); };
+  src.onerror = () => { src.close(); retry("the update stream broke"); };
   state.source = src;
 }
 
