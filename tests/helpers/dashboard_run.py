@@ -23,14 +23,19 @@ def synthetic_config(tmp: Path, name: str) -> Path:
     return path
 
 
-def _group(index: int, version: int) -> ev.ScoredGroup:
+def _group(index: int, version: int, *, episode: bool = False) -> ev.ScoredGroup:
+    """Four completions; the first started a version before the others. ``episode``: each is a
+    multi-turn episode (model, tool result, model) with a tool call in its text."""
     completions = [
         ev.Completion(
             token_ids=ev.pack_i32([5, 6, 7]),
-            logprobs=ev.pack_f32([-0.5, -0.25, -0.125]),
+            logprobs=ev.pack_f32([-0.5, 0.0 if episode else -0.25, -0.125]),
             versions=ev.pack_i32([version - (k == 0), version, version]),
             finish_reason="stop",
-            text=f"{index % 9 + k}",
+            text=f'<tool_call>{{"name": "add"}}</tool_call>\n{index % 9 + k}'
+            if episode
+            else f"{index % 9 + k}",
+            loss_mask=ev.pack_u8([1, 0, 1]) if episode else b"",
         )
         for k in range(4)
     ]
@@ -75,7 +80,8 @@ async def fill(url: str, run: str, steps: int) -> None:
             )
             await bus.publish(bus.subjects.trainer_step, step, msg_id=f"step-{s}")
         for i in range(8):
-            await bus.publish(bus.subjects.rollout_scored, _group(i, steps), msg_id=f"e0-i{i}:0")
+            group = _group(i, steps, episode=i == 7)
+            await bus.publish(bus.subjects.rollout_scored, group, msg_id=f"e0-i{i}:0")
         await bus.publish(
             bus.subjects.rollout_failed,
             ev.RolloutFailed(

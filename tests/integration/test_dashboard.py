@@ -71,7 +71,8 @@ def test_the_steps_page_of_a_1000_step_run_draws_every_step_and_every_page_shows
 ) -> None:
     """Steps: 1,000 points in the reward chart, held-out accuracy from the controller's record, the
     staleness bound; Fleet: the stored worker with its peak memory and restarts; Rollouts: the stored
-    groups with reward and version span; Dead letters: the dead letter and the refusal with reasons."""
+    groups with reward and version span, an agent episode's turns and tool call, the reward filter;
+    Dead letters: the dead letter and the refusal with reasons."""
     pytest.importorskip("playwright")
     with dashboard_process(finished_run) as url, browser_page() as page:
         page.goto(url + "#steps")
@@ -88,7 +89,10 @@ def test_the_steps_page_of_a_1000_step_run_draws_every_step_and_every_page_shows
 
         page.click("nav a[data-page=rollouts]")
         assert page.locator("#rollout-list .group").count() == 8
-        assert "v999..v1000" in page.inner_text("#rollout-list .group >> nth=0")
+        newest = page.locator("#rollout-list .group").first  # an agent episode: its turns, its tool call
+        assert "v999..v1000" in newest.inner_text()
+        assert "3 turns: model 1 · context 1 · model 1" in newest.inner_text()
+        assert newest.locator(".tool").first.inner_text().startswith("<tool_call>")
         page.fill("#f-rmin", "0.5")
         assert page.locator("#rollout-list .completion").count() == 8  # one rewarded completion a group
 

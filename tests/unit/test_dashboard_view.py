@@ -67,7 +67,8 @@ def test_a_page_gets_only_the_step_rows_it_lacks_and_all_of_them_after_a_step_re
 
 def test_a_rollout_shows_each_completions_version_span_and_an_episodes_turns() -> None:
     """Head..tail per completion from its per-token versions (an interrupted generation spans
-    two); an agent episode's loss mask becomes its model and context turns."""
+    two); an agent episode's loss mask becomes its model and context turns, each with its tokens
+    decoded when the run's tokenizer is at hand (None otherwise)."""
     completion = ev.Completion(
         token_ids=ev.pack_i32([1, 2, 3, 4, 5]),
         logprobs=ev.pack_f32([-1.0, 0.0, 0.0, -1.0, -1.0]),
@@ -81,15 +82,17 @@ def test_a_rollout_shows_each_completions_version_span_and_an_episodes_turns() -
         engine_id="g", prompt_ids=ev.pack_i32([9]), completions=[completion, completion],
         head_version=3, tail_version=4,
     )  # fmt: skip
-    view = _view()
-    view.scored(
-        ev.ScoredGroup(group=group, rewards=[1.0, 0.0], reward_errors=["", ""], reward_seconds=0.0), 1.0
-    )
+    scored = ev.ScoredGroup(group=group, rewards=[1.0, 0.0], reward_errors=["", ""], reward_seconds=0.0)
+    view = _view(decode=lambda ids: "".join(chr(96 + i) for i in ids))  # 1 -> "a", 2 -> "b", ...
+    view.scored(scored, 1.0)
     entry = view.snapshot()["rollouts"][0]
     first = entry["completions"][0]
     assert entry["prompt"] == "2+2=" and first["reward"] == 1.0 and first["tokens"] == 5
     assert (first["head"], first["tail"]) == (3, 4)
-    assert first["turns"] == [["model", 1], ["context", 2], ["model", 2]]
+    assert first["turns"] == [["model", 1, "a"], ["context", 2, "bc"], ["model", 2, "de"]]
+    without_tokenizer = _view()
+    without_tokenizer.scored(scored, 1.0)
+    assert without_tokenizer.snapshot()["rollouts"][0]["completions"][0]["turns"][1] == ["context", 2, None]
 
 
 def test_only_a_loopback_bind_goes_without_a_token() -> None:

@@ -35,7 +35,7 @@ import secrets
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,26 @@ def announce(host: str, port: int, token: str | None, run: str) -> tuple[str, st
     else:
         lines.append("  the token in the URL is checked on every request; keep it private")
     return url, "\n".join(lines)
+
+
+def episode_decoder(cfg: Any) -> Callable[[list[int]], str] | None:
+    """The run's tokenizer as ids -> text, for the turns of agent episodes (``tokenizers``, no
+    torch); None for single-turn runs and where ``model.path`` has no ``tokenizer.json`` here."""
+    if cfg is None or not cfg.uses_agents:
+        return None
+    if cfg.model.path == "smollm2":
+        from areal_async.models import cache_dir
+
+        root = cache_dir() / "models" / "smollm2-135m-instruct"
+    else:
+        root = Path(cfg.model.path).expanduser()
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _write_url(run_dir: Path, url: str) -> None:
@@ -161,6 +181,7 @@ async def _serve(args: argparse.Namespace) -> int:
             heartbeat_ttl_s=cfg.bus.heartbeat_ttl_s if cfg else 10.0,
             total_steps=cfg.trainer.total_steps if cfg else None,
             source="store" if from_store else "live",
+            decode=episode_decoder(cfg),
         )
         await load_stored(bus, view, cfg.run_dir if cfg else None)
         closing = anyio.Event()

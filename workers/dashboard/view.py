@@ -24,11 +24,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from bus.events import (
+    Completion,
     DeadLetter,
     Heartbeat,
     RolloutFailed,
@@ -69,21 +70,31 @@ def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
-def _segments(mask: bytes, tokens: int) -> list[list[Any]]:
-    """An episode's turns from its loss mask: ``[["model"|"context", tokens], ...]``."""
-    if not mask:
-        return [["model", tokens]]
+Decode = Callable[[list[int]], str]
+"""Token ids -> text (the run's tokenizer), for the turns of agent episodes."""
+
+
+def _segments(c: Completion, decode: Decode | None) -> list[list[Any]]:
+    """An episode's turns from its loss mask: ``[["model"|"context", tokens, text], ...]``; the text
+    of a turn is its tokens decoded (None without a tokenizer). The completion's own ``text`` holds
+    the model turns only; the context turns (tool results, user or environment replies) exist on
+    the wire as tokens."""
+    tokens = c.num_tokens
+    if not c.loss_mask:
+        return [["model", tokens, None]]
+    ids = unpack_i32(c.token_ids, "token_ids").tolist()
     out: list[list[Any]] = []
-    for m in unpack_u8(mask).tolist():
-        kind = "model" if m else "context"
-        if out and out[-1][0] == kind:
-            out[-1][1] += 1
-        else:
-            out.append([kind, 1])
+    start = 0
+    mask = unpack_u8(c.loss_mask).tolist()
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            text = _clip(decode(ids[start:i])) if decode is not None else None
+            out.append(["model" if mask[start] else "context", i - start, text])
+            start = i
     return out
 
 
-def rollout_entry(ev: ScoredGroup, received_at: float) -> dict[str, Any]:
+def rollout_entry(ev: ScoredGroup, received_at: float, decode: Decode | None = None) -> dict[str, Any]:
     """One scored group as the Rollouts page shows it."""
     group = ev.group
     row = group.row
@@ -105,7 +116,7 @@ def rollout_entry(ev: ScoredGroup, received_at: float) -> dict[str, Any]:
                 "head": int(versions.min()) if versions is not None and len(versions) else None,
                 "tail": int(versions.max()) if versions is not None and len(versions) else None,
                 "finish": c.finish_reason,
-                "turns": _segments(c.loss_mask, tokens),
+                "turns": _segments(c, decode),
             }
         )
     return {
@@ -161,6 +172,7 @@ class RunView:
         heartbeat_ttl_s: float,
         total_steps: int | None = None,
         source: str = "live",
+        decode: Decode | None = None,
     ) -> None:
         self.run = run
         self.max_staleness = max_staleness
@@ -169,6 +181,7 @@ class RunView:
         self.total_steps = total_steps
         self.source = source
         """``live`` (the run's server) or ``store`` (a finished run's JetStream store)."""
+        self.decode = decode
         self.revision = 0
         self.workers: dict[str, Worker] = {}
         self.stalled: dict[str, dict[str, Any]] = {}
@@ -229,7 +242,7 @@ class RunView:
         self._changed()
 
     def scored(self, ev: ScoredGroup, at: float) -> None:
-        self.rollouts.add(rollout_entry(ev, at))
+        self.rollouts.add(rollout_entry(ev, at, self.decode))
         self._changed()
 
     def dead_letter(self, ev: DeadLetter, seq: int | None = None) -> None:

@@ -175,13 +175,18 @@ function renderRollouts() {
     shown++;
     const rows = cs.map((c) => {
       const span = c.head === null ? "–" : c.head === c.tail ? `v${c.head}` : `v${c.head}..v${c.tail}`;
-      const turns = c.turns.length > 1
-        ? `<div class="turns">${c.turns.map(([k, t]) => `<span class="turn-${k}">${k} ${t}</span>`).join(" · ")}</div>` : "";
+      const episode = c.turns.length > 1;
+      const transcript = episode && c.turns.every(([, , text]) => text !== null);
+      const turns = episode
+        ? `<div class="turns">${c.turns.length} turns: ${c.turns.map(([k, t]) => `<span class="turn-${k}">${k} ${t}</span>`).join(" · ")}</div>` : "";
+      const body = transcript
+        ? c.turns.map(([k, , text]) => `<pre class="turn turn-${k}">${toolMarked(text)}</pre>`).join("")
+        : `<pre>${toolMarked(c.text)}</pre>`;
       return `<div class="completion" data-reward="${c.reward}">
         <span class="${c.reward > 0 ? "reward-pos" : "reward-zero"}">r ${fmt(c.reward, 2)}</span>
         <span>${c.tokens} tok</span>
         <span class="${c.head !== c.tail ? "span-mixed" : ""}" title="versions of its first and last token">${span}</span>
-        <div><pre>${toolMarked(c.text)}</pre>${turns}${c.error ? `<div class="note">reward error: ${esc(c.error)}</div>` : ""}</div>
+        <div>${body}${turns}${c.error ? `<div class="note">reward error: ${esc(c.error)}</div>` : ""}</div>
       </div>`;
     });
     out.push(`<div class="group" data-task="${esc(g.task_id)}">
