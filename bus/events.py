@@ -321,6 +321,10 @@ class Heartbeat(Event, kw_only=True):
     """Deliveries this worker fetched and has not settled (acked, nak'd or dead-lettered)."""
     started_at: float = 0.0
     """Wall time the worker process started."""
+    peak_rss: int = 0
+    """Largest resident set of the worker process so far, bytes (0: not told)."""
+    restarts: int = 0
+    """How often its supervisor restarted this worker's slot before it (``areal-async run``; 0 elsewhere)."""
 
 
 class DeadLetter(Event, kw_only=True):

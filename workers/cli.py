@@ -3,6 +3,7 @@
     areal-worker --role trainer --config configs/arith_cpu.yaml [--set trainer.batch_size=8 ...]
     areal-async run configs/arith_cpu.yaml          # embedded nats-server + one process per role
     areal-async inspect --config configs/arith_cpu.yaml [tail SUBJECT]
+    areal-async dashboard --config configs/arith_cpu.yaml [--port 8750]   # read-only web page
     areal-async sft RUN.yaml [--set sft.epochs=2 ...]   # supervised warm start (torchrun: N ranks)
     areal-async prepare-model smollm2 [--out DIR]
 
@@ -130,6 +131,20 @@ def main_parser() -> argparse.ArgumentParser:
         help="comma-separated roles to start (default: every role the run needs; agent only for agent workflows)",
     )
     run.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
+    run.add_argument(
+        "--dashboard", action="store_true", help="also serve the web dashboard (127.0.0.1; prints its URL)"
+    )
+    run.add_argument(
+        "--dashboard-port", type=int, default=None, help="its port (default 8750; 0: any free one)"
+    )
+
+    dash = sub.add_parser(
+        "dashboard",
+        help="a read-only web page of a running or finished run (fleet, steps, rollouts, dead letters)",
+    )
+    from workers.dashboard import add_arguments
+
+    add_arguments(dash)
 
     ins = sub.add_parser("inspect", help="show streams, consumers, KV state, live workers and dead letters")
     ins.add_argument("--config", help="YAML run file (gives run name and bus URL)")
@@ -178,7 +193,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             from workers.launcher import launch
 
             roles = args.roles.split(",") if args.roles else None
-            return launch(args.config, args.overrides, roles=roles, live=not args.no_live)
+            dashboard_port = (
+                args.dashboard_port if args.dashboard or args.dashboard_port is not None else None
+            )
+            if dashboard_port is not None or args.dashboard:
+                from workers.dashboard import DEFAULT_PORT, require_extra
+
+                require_extra()  # before any worker starts
+                dashboard_port = DEFAULT_PORT if dashboard_port is None else dashboard_port
+            return launch(
+                args.config, args.overrides, roles=roles, live=not args.no_live, dashboard_port=dashboard_port
+            )
+        if args.command == "dashboard":
+            from workers.dashboard import dashboard_main
+
+            return dashboard_main(args)
         if args.command == "inspect":
             from workers.inspect import inspect_main
 

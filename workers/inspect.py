@@ -83,7 +83,7 @@ class Target:
     """The JetStream store of an embedded run (``<run_dir>/nats``), read when its server is gone."""
 
 
-def _resolve(args: argparse.Namespace) -> Target:
+def resolve_target(args: argparse.Namespace) -> Target:
     run_name = args.run_name
     url = args.url
     cfg = None
@@ -127,7 +127,7 @@ def _options(target: Target, url: str) -> ConnectOptions:
 
 
 @asynccontextmanager
-async def _open(target: Target) -> AsyncIterator[tuple[Bus, bool]]:
+async def open_run(target: Target) -> AsyncIterator[tuple[Bus, bool]]:
     """(bus, from_store): a connection to the run's server, or to a temporary server on the store
     of a finished embedded run when none answers at its URL."""
     from bus import BusConnectError, EmbeddedServer, EmbeddedServerError, connect
@@ -468,10 +468,10 @@ async def tail(bus: Any, subject: str, count: int, *, stored_only: bool = False)
 
 
 async def _inspect(args: argparse.Namespace) -> int:
-    target = _resolve(args)
+    target = resolve_target(args)
     if args.what == "tail" and not args.subject:
         raise ConfigError("inspect tail needs a SUBJECT, e.g. `inspect --config RUN.yaml tail trainer.step`")
-    async with _open(target) as (bus, from_store):
+    async with open_run(target) as (bus, from_store):
         if args.what == "summary":
             return await summary(bus, args.json)
         if args.what == "steps":

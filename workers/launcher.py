@@ -49,7 +49,7 @@ from areal_async.config import RunConfig
 from areal_async.errors import ConfigError
 from areal_async.run_file import load_config
 from bus.embedded import EmbeddedServer, EmbeddedServerError, run_credentials
-from workers.runtime import CUDA_DEVICES_ENV, cuda_devices
+from workers.runtime import CUDA_DEVICES_ENV, RESTARTS_ENV, cuda_devices
 
 MAX_RESTARTS = 3
 RUN_END_GRACE_S = 30.0
@@ -137,8 +137,9 @@ def _pump(child: Child, stream: object, out_lock: threading.Lock, echo: bool, si
 
 
 def _start(child: Child, out_lock: threading.Lock, echo: bool, logs: Path) -> None:
+    env = {**child.env, RESTARTS_ENV: str(child.restarts)}  # its heartbeats tell the dashboard
     child.proc = subprocess.Popen(
-        child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        child.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     sink = logs / f"{child.role}.out"
     threading.Thread(target=_pump, args=(child, child.proc.stdout, out_lock, echo, sink), daemon=True).start()
@@ -268,7 +269,12 @@ def _start_bus(cfg: RunConfig) -> tuple[EmbeddedServer | None, str, dict[str, st
 
 
 def launch(
-    config_path: str, overrides: Sequence[str], *, roles: Sequence[str] | None = None, live: bool = True
+    config_path: str,
+    overrides: Sequence[str],
+    *,
+    roles: Sequence[str] | None = None,
+    live: bool = True,
+    dashboard_port: int | None = None,
 ) -> int:
     """Run the job described by ``config_path``; returns the exit code."""
     from workers.roles import ROLES, run_roles
@@ -314,10 +320,13 @@ def launch(
     display = _LiveDisplay(run_dir, children) if live else None
     watching = threading.Event()
     watcher = None
+    dashboard = None
     try:
         for c in children:
             _start(c, out_lock, not live, logs)
         watcher = _watch(cfg, url, passwords, children, watching, out_lock)
+        if dashboard_port is not None:
+            dashboard = _start_dashboard(config_path, overrides, run_dir, dashboard_port, out_lock)
         if display is not None:
             display.start()
 
@@ -331,6 +340,8 @@ def launch(
         watching.set()
         if display is not None:
             display.stop()
+        if dashboard is not None:
+            _end_process(dashboard, 5.0)
         _stop(children, STOP_GRACE_S)
         if watcher is not None:  # before the server stops, so that its connection closes cleanly
             watcher.join(timeout=10)
@@ -340,6 +351,61 @@ def launch(
             signal.signal(s, h)
     _finish(cfg, time.monotonic() - started, rss.peaks())
     return code
+
+
+def _start_dashboard(
+    config_path: str, overrides: Sequence[str], run_dir: Path, port: int, out_lock: threading.Lock
+) -> subprocess.Popen[bytes]:
+    """``areal-async dashboard`` of this run in a process of its own (a page load never slows the
+    supervision loop); its URL and how to reach it are printed once it listens. It reads the
+    run as its ``ops`` user; it is not restarted."""
+    from workers.dashboard import URL_FILE
+
+    (run_dir / URL_FILE).unlink(missing_ok=True)
+    sets = [a for o in overrides for a in ("--set", o)]
+    out = run_dir / "logs" / "dashboard.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "workers",
+                "dashboard",
+                "--config",
+                config_path,
+                *sets,
+                "--port",
+                str(port),
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def tell() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / URL_FILE).is_file():
+                with out_lock:
+                    sys.stderr.write(out.read_text())
+                    sys.stderr.flush()
+                return
+            time.sleep(0.2)
+        with out_lock:
+            sys.stderr.write(f"warning: the dashboard did not start; see {out}\n")
+
+    threading.Thread(target=tell, daemon=True).start()
+    return proc
+
+
+def _end_process(proc: subprocess.Popen[bytes], grace: float) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _watch(

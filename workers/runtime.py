@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import resource
 import signal
 import socket
 import time
@@ -139,7 +140,25 @@ class WorkerContext:
             phase=", ".join(sorted(self.busy_in)) or self.status,
             held=self.bus.held,
             started_at=self.started_at,
+            peak_rss=peak_rss(),
+            restarts=_int_env(RESTARTS_ENV),
         )
+
+
+RESTARTS_ENV = "AREAL_RESTARTS"
+"""Set by ``areal-async run`` on each worker it starts: how often that role's slot was restarted."""
+
+
+def peak_rss() -> int:
+    """Largest resident set of this process so far, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _int_env(name: str) -> int:
+    try:
+        return max(0, int(os.environ.get(name, "0")))
+    except ValueError:
+        return 0
 
 
 WEDGE_ENV = "AREAL_FAULT_WEDGE"

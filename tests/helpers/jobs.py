@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,11 +93,11 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def start_job(config: Path, *overrides: str) -> subprocess.Popen[bytes]:
-    """``areal-async run`` of `config` in the background. Its output goes to a temporary file as it
-    comes (a pipe nobody reads would fill and block the launcher, and the workers behind it);
-    ``finish_job`` moves it to ``<run_dir>/job.out``."""
-    args = [sys.executable, "-m", "workers", "run", str(config), "--no-live"]
+def start_job(config: Path, *overrides: str, flags: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """``areal-async run`` of `config` (with `flags`, e.g. ``--dashboard``) in the background. Its
+    output goes to a temporary file as it comes (a pipe nobody reads would fill and block the
+    launcher, and the workers behind it); ``finish_job`` moves it to ``<run_dir>/job.out``."""
+    args = [sys.executable, "-m", "workers", "run", str(config), "--no-live", *flags]
     for o in overrides:
         args += ["--set", o]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
