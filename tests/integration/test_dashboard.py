@@ -12,10 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.browser import browser_page, chromium_path, dashboard_process
+from tests.helpers.browser import browser_page, dashboard_process
 from tests.helpers.dashboard_run import synthetic_run
-
-pytest.importorskip("starlette", reason="pip install 'areal-async[dashboard]'")
 
 STEPS = 1000
 ROUTES = ("/", "/api/snapshot", "/api/events", "/static/app.js")
@@ -65,7 +63,6 @@ def test_on_loopback_no_token_is_needed_and_the_url_says_how_to_tunnel(finished_
         assert "ssh -N -L" in printed
 
 
-@pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium (apt-get install -y chromium)")
 def test_the_steps_page_of_a_1000_step_run_draws_every_step_and_every_page_shows_its_rows(
     finished_run: Path,
 ) -> None:
@@ -73,7 +70,6 @@ def test_the_steps_page_of_a_1000_step_run_draws_every_step_and_every_page_shows
     staleness bound; Fleet: the stored worker with its peak memory and restarts; Rollouts: the stored
     groups with reward and version span, an agent episode's turns and tool call, the reward filter;
     Dead letters: the dead letter and the refusal with reasons."""
-    pytest.importorskip("playwright")
     with dashboard_process(finished_run) as url, browser_page() as page:
         page.goto(url + "#steps")
         page.wait_for_function("window.__firstStepsRender !== undefined")
