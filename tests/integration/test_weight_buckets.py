@@ -47,6 +47,7 @@ def _receiver(
 ) -> None:
     """A receiving member: ``ok`` receives and compares, ``die`` takes one bucket and is killed."""
     try:
+        (results / f"ready{rank}").touch()  # torch imported: joining takes no longer than the others
         group = open_group("gloo", address, name, rank=rank, world_size=world, timeout_s=timeout_s)
         tensors = _weights()
         plan = plan_buckets(manifest_of(tensors), bucket_bytes=6200)
@@ -87,6 +88,12 @@ def _transfer(
     plan = plan_buckets(manifest_of(tensors), bucket_bytes=6200)
     if corrupt:  # bytes change after the digests were announced: a broken transfer
         tensors["model.layers.0.input_layernorm.weight"][3] += 1.0
+    # The group's timeout bounds its forming too: wait until each child has imported torch (seconds
+    # on a busy machine), so what is timed is the transfer, not a process start.
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{i + 1}").exists() for i in range(len(modes))):
+        assert time.monotonic() < deadline and all(c.is_alive() for c in children), "a member did not start"
+        time.sleep(0.05)
     try:
         group = open_group("gloo", address, name, rank=0, world_size=world, timeout_s=timeout_s, store=store)
         send_buckets(group, [pack(b, tensors, "cpu") for b in plan])
