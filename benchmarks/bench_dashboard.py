@@ -1,6 +1,6 @@
 """What the dashboard costs: page load of a 1,000-step run, and its effect on a running tiny run.
 
-    python -m benchmarks.bench_dashboard [--steps 30] [--repeats 2] [--out FILE]
+    python -m benchmarks.bench_dashboard [--steps 30] [--repeats 2] [--config RUN.yaml] [--out FILE]
 
 Cases:
 
@@ -12,7 +12,8 @@ Cases:
   ``--repeats`` times, the second with ``areal-async run --dashboard`` and a browser on its Steps
   page for the whole run: mean step time and the trainer's bus seconds per step (first 3 steps
   left out), and what the dashboard took from the bus (its connection's messages and bytes in)
-  against what the workers published.
+  against what the workers published. ``--config configs/arith_cpu.yaml --steps 10``: the same with
+  the CPU demo cut to 10 steps instead of the tiny model (cases ``run``, ``run + dashboard``).
 """
 
 from __future__ import annotations
@@ -77,14 +78,24 @@ def _dashboard_use(run_dir: Path) -> dict[str, int]:
     return json.loads(line.removeprefix("dashboard bus use: "))
 
 
-def tiny_run(tmp: Path, model: Path, name: str, steps: int, dashboard: bool) -> dict[str, Any]:
-    cfg = tiny_config(
-        tmp, model, name, rollout__group_size=4, trainer__total_steps=steps, trainer__batch_size=4,
-        trainer__eval_every=10, dataset__eval_size=4, checkpoint__every_steps=10,
-    )  # fmt: skip
+def tiny_run(
+    tmp: Path, model: Path | None, name: str, steps: int, dashboard: bool, config: Path | None = None
+) -> dict[str, Any]:
+    """One run of the tiny model, or of ``config`` cut to ``steps`` (its run dir under ``tmp``)."""
+    if config is None:
+        assert model is not None
+        cfg = tiny_config(
+            tmp, model, name, rollout__group_size=4, trainer__total_steps=steps, trainer__batch_size=4,
+            trainer__eval_every=10, dataset__eval_size=4, checkpoint__every_steps=10,
+        )  # fmt: skip
+        overrides: tuple[str, ...] = ()
+    else:
+        cfg = config
+        overrides = (f"dir={tmp}/{name}", f"name={name}", f"trainer.total_steps={steps}")
     run_dir = tmp / name
     started = time.monotonic()
-    proc = start_job(cfg, flags=("--dashboard", "--dashboard-port", "0") if dashboard else ())
+    flags = ("--dashboard", "--dashboard-port", "0") if dashboard else ()
+    proc = start_job(cfg, *overrides, flags=flags)
     watcher = None
     if dashboard:
         done = threading.Event()
@@ -108,7 +119,7 @@ def tiny_run(tmp: Path, model: Path, name: str, steps: int, dashboard: bool) -> 
     assert res.returncode == 0, res.output[-2000:]
     rows = res.metrics()[3:]
     row: dict[str, Any] = {
-        "case": "tiny run + dashboard" if dashboard else "tiny run",
+        "case": ("run" if config is not None else "tiny run") + (" + dashboard" if dashboard else ""),
         "step_s": round(statistics.mean(r["step_s"] for r in rows), 3),
         "bus_s_per_step": round(statistics.mean(r.get("bus_s", 0.0) for r in rows), 4),
         "wall_s": round(res.seconds, 1),
@@ -132,19 +143,24 @@ def main() -> None:
     parser.add_argument(
         "--page-steps", type=int, default=1000, help="steps of the synthetic run for page load"
     )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="run this run file (cut to --steps) instead of the tiny model, e.g. configs/arith_cpu.yaml",
+    )
     harness.add_output_args(parser)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-dashboard-") as tmp_dir:
         tmp = Path(tmp_dir)
         rows.append(page_load(tmp, args.page_steps))
-        model = build_tiny_model(tmp / "model", hidden=64, layers=2, heads=4)
+        model = None if args.config else build_tiny_model(tmp / "model", hidden=64, layers=2, heads=4)
         runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
         for i in range(args.repeats):
             for dashboard in (False, True):
-                runs[dashboard].append(
-                    tiny_run(tmp, model, f"run{i}{'d' if dashboard else ''}", args.steps, dashboard)
-                )
+                name = f"run{i}{'d' if dashboard else ''}"
+                runs[dashboard].append(tiny_run(tmp, model, name, args.steps, dashboard, args.config))
         for measured in runs.values():
             merged = {k: (round(statistics.mean(r[k] for r in measured), 4) if k != "case" else v)
                       for k, v in measured[0].items()}  # fmt: skip
