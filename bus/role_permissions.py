@@ -11,7 +11,8 @@ Rendered two ways, from the same dicts:
   permissions pinned to ``run`` (its subjects, streams and buckets only).
 
 Patterns name the run's parts by placeholder: ``{run}`` the run name, ``{state}`` and
-``{workers}`` the KV buckets, ``{weights}`` the object store of the policy versions,
+``{workers}`` the KV buckets (``{state_kv}``, ``{workers_kv}`` their streams, ``KV_<bucket>``),
+``{weights}`` the object store of the policy versions,
 ``{domain}`` the cluster's JetStream domain (``JS_DOMAIN``),
 ``{PROMPT}``... the streams (``bus.subjects``). Rendered for every
 run they all become ``*``. A denied publish is not delivered; the server reports it to the
@@ -135,6 +136,40 @@ AGENT: Permissions = {
     "subscribe": SUBSCRIBE,
 }  # fmt: skip
 
+VIEWER_STORED = ("{SCORED}", "{EVAL}", "{FAILED}", "{state_kv}", "{workers_kv}")
+"""Streams the viewer reads by sequence or key: stream info, then ``STREAM.MSG.GET`` (nats-py's
+``get_msg`` and KV gets) or ``DIRECT.GET`` (KV gets on buckets that allow direct reads)."""
+
+VIEWER_FOLLOWED = ("{STEPS}", "{DEADLETTER}", "{state_kv}", "{workers_kv}")
+"""Streams the viewer follows through ordered consumers: STEPS and DEADLETTER, and the KV watches
+behind ``keys()`` and ``history()``."""
+
+
+def _viewer_api(domain: str) -> list[str]:
+    """The JetStream API requests of a reader, through ``$JS.API`` (domain "") or a leaf's domain."""
+    api = f"$JS.{domain}API"
+    return [
+        f"{api}.STREAM.NAMES",  # js.subscribe(subject) looks up the stream of the subject
+        *(f"{api}.STREAM.INFO.{s}" for s in dict.fromkeys(VIEWER_STORED + VIEWER_FOLLOWED)),
+        *(f"{api}.STREAM.MSG.GET.{s}" for s in VIEWER_STORED),
+        *(f"{api}.DIRECT.GET.{s}{tail}" for s in VIEWER_STORED for tail in ("", ".>")),
+        # the unnamed form only: the server creates an ephemeral there and refuses a durable name
+        *(f"{api}.CONSUMER.CREATE.{s}" for s in VIEWER_FOLLOWED),
+        *(f"{api}.CONSUMER.INFO.{s}.*" for s in VIEWER_FOLLOWED),
+    ]
+
+
+VIEWER: Permissions = {
+    "publish": {
+        "allow": [
+            *_viewer_api(""), *_viewer_api("{domain}."),
+            *(f"$JS.FC.{s}.>" for s in VIEWER_FOLLOWED),
+        ],
+        "deny": COMMON_DENY,
+    },
+    "subscribe": {"allow": ["_INBOX.>", "areal.{run}.>"]},
+}  # fmt: skip
+
 OPS: Permissions = {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
 
 PERMISSIONS: dict[str, Permissions] = {
@@ -144,14 +179,15 @@ PERMISSIONS: dict[str, Permissions] = {
     "trainer": TRAINER,
     "weight-sync": WEIGHT_SYNC,
     "agent": AGENT,
+    "viewer": VIEWER,
     "ops": OPS,
 }
-"""User name -> permissions: one user per worker role, and ``ops``."""
+"""User name -> permissions: one user per worker role, ``viewer`` (read only) and ``ops``."""
 
 WORKER_ROLES = ("controller", "generation", "reward", "trainer", "weight-sync", "agent")
 """Every worker role, in start order; each connects as the NATS user of its name."""
 
-SHIPPED_USERS = (*WORKER_ROLES, "ops")
+SHIPPED_USERS = (*WORKER_ROLES, "viewer", "ops")
 """The users of the shipped cluster configs (``auth-users.conf``, ``auth-nkeys.conf``), whose
 variables ``permissions.conf`` defines: nats-server refuses a variable no user refers to, so a
 user joins here together with its entry in those files."""
@@ -164,7 +200,11 @@ NOTES = {
     "a reward worker must never be able to announce or load weights.",
     "agent": "Agents take prompt tasks (the generation durable), call generation workers and publish\n"
     "scored episodes; like reward workers they may never announce or load weights.",
-    "ops": "`areal-async inspect`, the NATS CLI and clean-up (`nats stream rm`): everything.",
+    "viewer": "`areal-async dashboard`: reads and follows the run, and nothing else. JetStream API: stream\n"
+    "names and info, message gets, ephemeral ordered consumers (the unnamed CONSUMER.CREATE form;\n"
+    "a durable name is refused there) and their flow control. No run subject, KV put, ack, purge\n"
+    "or delete.",
+    "ops": "`areal-async inspect`, the watchdog, the NATS CLI and clean-up (`nats stream rm`): everything.",
 }
 
 HEADER = """\
@@ -202,7 +242,8 @@ def variable(user: str) -> str:
 def _names(run: str | None) -> dict[str, str]:
     """Placeholder values: the run's names, or ``*`` everywhere when ``run`` is None."""
     if run is None:
-        keys = ["run", "state", "workers", "weights", *(s.key for s in Subjects("x").streams)]
+        keys = ["run", "state", "workers", "weights", "state_kv", "workers_kv"]
+        keys += [s.key for s in Subjects("x").streams]
         return dict.fromkeys(keys, "*") | {"domain": JS_DOMAIN}
     subjects = Subjects(run)
     names = {
@@ -210,6 +251,8 @@ def _names(run: str | None) -> dict[str, str]:
         "state": subjects.state_bucket,
         "workers": subjects.workers_bucket,
         "weights": subjects.weights_bucket,
+        "state_kv": f"KV_{subjects.state_bucket}",
+        "workers_kv": f"KV_{subjects.workers_bucket}",
         "domain": JS_DOMAIN,
     }
     return names | {s.key: s.name for s in subjects.streams}

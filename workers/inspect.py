@@ -109,34 +109,54 @@ def resolve_target(args: argparse.Namespace) -> Target:
     return Target(run=run_name, url=url, cfg=cfg, store=store)
 
 
-def _options(target: Target, url: str) -> ConnectOptions:
-    """How to log in at ``url``: the run's ops user for an embedded run, else as a worker of the run."""
-    from bus import ConnectOptions
+def embedded_login(target: Target, user: str) -> tuple[str, str] | None:
+    """(user, password) on the run's embedded server: ``user``, else ``ops`` for a run whose
+    credentials predate ``user`` (with a warning line); None when the run is not embedded."""
     from bus.embedded import read_credentials
+
+    passwords = read_credentials(target.store) if target.store is not None else None
+    if not passwords:
+        return None
+    if user not in passwords and "ops" in passwords:
+        sys.stderr.write(
+            f"warning: run {target.run!r} has no {user!r} user (started by an older version); "
+            "logging in as 'ops', which may publish\n"
+        )
+        user = "ops"
+    return (user, passwords[user]) if user in passwords else None
+
+
+def _options(target: Target, url: str, login: tuple[str, str] | None, name: str) -> ConnectOptions:
+    """How to log in at ``url``: as ``login`` on an embedded run, else as a worker of the run."""
+    from bus import ConnectOptions
     from workers.runtime import connect_options
 
     if target.cfg is None:
-        return ConnectOptions(url=url, name="inspect", connect_timeout_s=5.0)
+        return ConnectOptions(url=url, name=name, connect_timeout_s=5.0)
     bus_cfg = dataclasses.replace(target.cfg.bus, url=url, connect_timeout_s=5.0)
-    passwords = read_credentials(target.store) if target.store is not None else None
-    if passwords and "ops" in passwords:  # the embedded server knows only its generated users
+    if login is not None:  # the embedded server knows only its generated users
+        user, password = login
         bus_cfg = dataclasses.replace(
-            bus_cfg, user="ops", password=passwords["ops"], token=None, nkeys_seed=None, creds=None
+            bus_cfg, user=user, password=password, token=None, nkeys_seed=None, creds=None
         )
-    return connect_options(bus_cfg, name="inspect")
+    return connect_options(bus_cfg, name=name)
 
 
 @asynccontextmanager
-async def open_run(target: Target) -> AsyncIterator[tuple[Bus, bool]]:
+async def open_run(
+    target: Target, *, user: str = "ops", name: str = "inspect"
+) -> AsyncIterator[tuple[Bus, bool]]:
     """(bus, from_store): a connection to the run's server, or to a temporary server on the store
-    of a finished embedded run when none answers at its URL."""
+    of a finished embedded run when none answers at its URL. On an embedded run it logs in as
+    ``user`` (``embedded_login``), as the client ``name``."""
     from bus import BusConnectError, EmbeddedServer, EmbeddedServerError, connect
     from bus.embedded import read_credentials
 
+    login = embedded_login(target, user)
     refused: BusConnectError | None = None
     if target.url is not None:
         try:
-            bus = await connect(_options(target, target.url), target.run)
+            bus = await connect(_options(target, target.url, login, name), target.run)
         except BusConnectError as exc:
             if target.store is None or not (target.store / "jetstream").is_dir():
                 raise
@@ -165,7 +185,7 @@ async def open_run(target: Target) -> AsyncIterator[tuple[Bus, bool]]:
         sys.stderr.write(
             f"note: no server of run {target.run!r} is running; reading its store {target.store}\n"
         )
-        bus = await connect(_options(target, server.url), target.run)
+        bus = await connect(_options(target, server.url, login, name), target.run)
         try:
             yield bus, True
         finally:

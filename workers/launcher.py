@@ -4,8 +4,8 @@ Starts an embedded nats-server (store under ``<run_dir>/nats``), then one proces
 role (``areal-worker --role ROLE``; the trainer under torchrun when
 ``trainer.num_ranks > 1``), streams their output with role prefixes, and supervises:
 
-- the server requires per-run credentials: one user per role and ``ops`` (for
-  ``inspect``), random passwords in ``<run_dir>/nats/credentials.json`` (mode 0600; a resumed
+- the server requires per-run credentials: one user per role, ``viewer`` (the dashboard,
+  read only) and ``ops`` (``inspect``, the watchdog), random passwords in ``<run_dir>/nats/credentials.json`` (mode 0600; a resumed
   run reuses them), each confined to its role's permissions (``bus.role_permissions``)
   on this run. A worker gets ``--set bus.user=ROLE`` and its password in
   ``AREAL_NATS_PASSWORD`` (never on a command line); these win over ``bus.user``,

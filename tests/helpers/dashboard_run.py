@@ -56,9 +56,11 @@ def _group(index: int, version: int, *, episode: bool = False) -> ev.ScoredGroup
     return ev.ScoredGroup(group=group, rewards=rewards, reward_errors=[""] * 4, reward_seconds=0.01)
 
 
-async def fill(url: str, run: str, steps: int) -> None:
-    """Provision ``run`` at ``url`` and store ``steps`` steps and the rest of a finished run."""
-    bus = await connect(ConnectOptions(url=url, name="synthetic-run"), run)
+async def fill(url: str, run: str, steps: int, *, password: str | None = None) -> None:
+    """Provision ``run`` at ``url`` and store ``steps`` steps and the rest of a finished run (as the
+    run's ``ops`` user when ``password`` is given)."""
+    login = {"user": "ops", "password": password} if password else {}
+    bus = await connect(ConnectOptions(url=url, name="synthetic-run", **login), run)  # type: ignore[arg-type]
     try:
         await bus.provision()
         state = RunState(bus)

@@ -43,6 +43,7 @@ import nkeys
 import pytest
 
 from bus import EmbeddedServer
+from bus.role_permissions import SHIPPED_USERS
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "scripts" / "nats"
@@ -98,7 +99,7 @@ def write_main_config(dest: Path, name: str, *includes: str, extra: str = "") ->
 
 def role_passwords() -> dict[str, str]:
     """Fresh passwords for every user of auth-users.conf, keyed by user name."""
-    return {user: secrets.token_hex(12) for user in (*ROLES, "ops", "sys")}
+    return {user: secrets.token_hex(12) for user in (*SHIPPED_USERS, "sys")}
 
 
 def password_env(passwords: Mapping[str, str]) -> dict[str, str]:
@@ -116,7 +117,7 @@ def role_nkeys(directory: Path) -> dict[str, NkeyUser]:
     """A user nkey per auth-nkeys.conf entry; seeds written as files (mode 0600) like a worker's."""
     directory.mkdir(parents=True, exist_ok=True)
     users = {}
-    for user in (*ROLES, "ops", "sys"):
+    for user in (*SHIPPED_USERS, "sys"):
         seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
         path = directory / f"{user}.nk"
         path.write_bytes(seed + b"\n")

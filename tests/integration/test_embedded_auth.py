@@ -57,7 +57,7 @@ def run_server(
 
 def test_credentials_and_server_config_are_private_and_kept_for_a_resumed_run(tmp_path: Path) -> None:
     """credentials.json is created with mode 0600 even under umask 0 (never chmod-ed after),
-    holds a password per role and for ops, and a second call (a resumed run) returns the same
+    holds a password per role, for viewer and for ops, and a second call (a resumed run) returns the same
     passwords; the generated server config holding them is 0600 too."""
     store = tmp_path / "nats"
     old = os.umask(0)
@@ -65,7 +65,7 @@ def test_credentials_and_server_config_are_private_and_kept_for_a_resumed_run(tm
         first = run_credentials(store)
     finally:
         os.umask(old)
-    assert set(first) == {*ROLES, "ops"}
+    assert set(first) == {*ROLES, "viewer", "ops"}
     assert len(set(first.values())) == len(first) and all(len(p) >= 24 for p in first.values())
     assert mode(store / CREDENTIALS_FILE) == 0o600
     assert run_credentials(store) == first

@@ -26,9 +26,10 @@ def test_the_shipped_permissions_conf_is_the_rendering_of_the_python_lists() -> 
     assert SHIPPED.read_text() == render_permissions_conf()
 
 
-def test_every_worker_role_and_ops_has_a_user() -> None:
-    """``areal-async run`` gives each role it starts a user of its own, and inspect the ops user."""
-    assert set(PERMISSIONS) == {*ROLES, "ops"}
+def test_every_worker_role_the_viewer_and_ops_have_a_user() -> None:
+    """``areal-async run`` gives each role it starts a user of its own, the dashboard the viewer
+    user and inspect the ops user."""
+    assert set(PERMISSIONS) == {*ROLES, "viewer", "ops"}
 
 
 def test_only_the_controller_may_write_issued_task_records() -> None:
@@ -94,3 +95,18 @@ def test_the_shipped_auth_files_use_exactly_the_rendered_variables(auth_file: st
     the users of the shipped auth files and SHIPPED_USERS (the rendered variables) must agree."""
     used = set(re.findall(r"permissions:\s*\$(\w+)", (SHIPPED.parent / auth_file).read_text()))
     assert used == {variable(user) for user in SHIPPED_USERS}
+
+
+def test_the_viewer_may_publish_read_requests_of_the_jetstream_api_and_nothing_else() -> None:
+    """The dashboard's user publishes no run subject, KV key, object chunk or ack: only stream names,
+    infos and message gets, the unnamed (ephemeral) consumer create, consumer infos and flow-control
+    replies, each also through the leaf domain's API, and it subscribes to its run only."""
+    allow = resolve("viewer", "r1")["publish"]["allow"]
+    read = re.compile(
+        r"\$JS\.FC\.|\$JS\.(areal\.)?API\.(STREAM\.(NAMES|INFO|MSG\.GET)|DIRECT\.GET|CONSUMER\.(CREATE|INFO))(\.|$)"
+    )
+    assert [p for p in allow if not read.match(p)] == []
+    assert "$JS.API.CONSUMER.CREATE.AREAL_r1_STEPS" in allow and "$JS.areal.API.STREAM.NAMES" in allow
+    api = sorted(p.removeprefix("$JS.API.") for p in allow if p.startswith("$JS.API."))
+    assert api == sorted(p.removeprefix("$JS.areal.API.") for p in allow if p.startswith("$JS.areal.API."))
+    assert resolve("viewer", "r1")["subscribe"]["allow"] == ["_INBOX.>", "areal.r1.>"]

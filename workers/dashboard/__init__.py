@@ -10,9 +10,12 @@ the bound, step phases, the weight hand-off, trained tokens/s, against step or w
 episodes as their turns), Dead letters (and the groups the trainer refused, and stalls). Updated
 by server-sent events, no reload.
 
-It connects as ``inspect`` does (``workers.inspect.open_run``): to the run's server as its ``ops``
-user, or, for a finished embedded run, to a temporary server on its JetStream store. It reads only
-(``workers.dashboard.reader``) and serves GET only (``workers.dashboard.app``).
+It connects as ``inspect`` does (``workers.inspect.open_run``), to the run's server or, for a
+finished embedded run, to a temporary server on its JetStream store, but as the run's ``viewer``
+user, whom the server keeps read-only (``bus.role_permissions.VIEWER``: no publish to a run
+subject, no KV write, ack, purge or delete); a run whose credentials have no ``viewer`` (started by
+an older version) is read as ``ops``, with a warning. It reads only (``workers.dashboard.reader``)
+and serves GET only (``workers.dashboard.app``).
 
 Binding: 127.0.0.1 by default, reached from elsewhere through an SSH tunnel (printed). Any other
 address needs a token (``--token``, else ``AREAL_DASHBOARD_TOKEN``, else one is generated and
@@ -173,7 +176,7 @@ async def _serve(args: argparse.Namespace) -> int:
     token = choose_token(args.host, args.token)
     sock = _bind(args.host, args.port)
     cfg = target.cfg
-    async with open_run(target) as (bus, from_store):
+    async with open_run(target, user="viewer", name="dashboard") as (bus, from_store):
         view = RunView(
             target.run,
             max_staleness=cfg.rollout.max_staleness if cfg else None,
