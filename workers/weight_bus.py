@@ -434,29 +434,76 @@ class BusWeightReader:
             return tensors_of(self.held.flat, self.held.manifest), self.held.digest
 
     async def _rebuild(self, chain: list[Record]) -> Held:
-        """Apply ``chain`` (to the held version when it starts with a delta), checking each step."""
+        """Apply ``chain`` (to the held version when it starts with a delta). Each object is
+        fetched (every chunk checked as it arrives) while the one before it decodes; only the
+        rebuilt target's digest is computed. If it differs, the chain is applied again checking
+        each step's digest, to name the object that went wrong."""
         if not chain:
             assert self.held is not None
             return self.held
-        flat = self.held.flat if self.held is not None and chain[0].kind == "delta" else None
-        for record in chain:
+        start = self.held.flat if self.held is not None and chain[0].kind == "delta" else None
+        payloads: list[bytes | BaseException | None] = [None] * len(chain)
+        arrived = [anyio.Event() for _ in chain]
+
+        async def fetch(i: int) -> None:
             try:
-                payload = await self.store.get(record, self.timeout_s)
-                if record.kind == "anchor":
-                    flat = await anyio.to_thread.run_sync(
-                        codec.decode_anchor, payload, record.size, record.word_bytes
-                    )
-                else:
-                    assert flat is not None
-                    flat = await anyio.to_thread.run_sync(codec.apply_delta, flat, payload, record.word_bytes)
-                digest = await anyio.to_thread.run_sync(codec.version_digest, flat)
-                if digest != record.digest:
-                    raise BusWeightsUnavailable(
-                        f"version {record.policy_version} rebuilt through {record.slot} has digest "
-                        f"{digest[:12]}, its record says {record.digest[:12]}"
-                    )
-            except (BusWeightsUnavailable, codec.CodecError) as exc:
-                raise ObjectRefused(record.slot, str(exc)) from None
-        assert flat is not None
+                payloads[i] = await self.store.get(chain[i], self.timeout_s)
+            except BusWeightsUnavailable as exc:
+                payloads[i] = exc
+            arrived[i].set()
+
+        async def payload(i: int) -> bytes:
+            await arrived[i].wait()
+            got = payloads[i]
+            if isinstance(got, BaseException):
+                raise ObjectRefused(chain[i].slot, str(got))
+            assert got is not None
+            return got
+
+        refused: ObjectRefused | None = None
+        flat = start
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetch, 0)
+            try:
+                for i, record in enumerate(chain):
+                    if i + 1 < len(chain):  # the next object arrives while this one decodes
+                        tg.start_soon(fetch, i + 1)
+                    flat = await self._apply(record, await payload(i), flat)
+            except ObjectRefused as exc:  # raised outside the group: the other fetches are stopped
+                refused = exc
+                tg.cancel_scope.cancel()
+        if refused is not None:
+            raise refused
         last = chain[-1]
+        assert flat is not None
+        if await anyio.to_thread.run_sync(codec.version_digest, flat) != last.digest:
+            if len(chain) == 1:
+                raise ObjectRefused(last.slot, self._wrong_digest(last, flat))
+            flat = start
+            for i, record in enumerate(chain):  # step by step, to name the object
+                flat = await self._apply(record, await payload(i), flat)
+                if (digest := await anyio.to_thread.run_sync(codec.version_digest, flat)) != record.digest:
+                    raise ObjectRefused(record.slot, self._wrong_digest(record, flat, digest))
+        assert flat is not None
         return Held(last.policy_version, last.digest, flat, last.manifest)
+
+    @staticmethod
+    async def _apply(record: Record, payload: bytes, flat: np.ndarray | None) -> np.ndarray:
+        """``record``'s object decoded (an anchor) or applied to ``flat`` (a delta)."""
+        try:
+            if record.kind == "anchor":
+                return await anyio.to_thread.run_sync(
+                    codec.decode_anchor, payload, record.size, record.word_bytes
+                )
+            assert flat is not None
+            return await anyio.to_thread.run_sync(codec.apply_delta, flat, payload, record.word_bytes)
+        except codec.CodecError as exc:
+            raise ObjectRefused(record.slot, str(exc)) from None
+
+    @staticmethod
+    def _wrong_digest(record: Record, flat: np.ndarray, digest: str | None = None) -> str:
+        digest = digest or codec.version_digest(flat)
+        return (
+            f"version {record.policy_version} rebuilt through {record.slot} has digest "
+            f"{digest[:12]}, its record says {record.digest[:12]}"
+        )

@@ -4,6 +4,7 @@ and only the trainer may write it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,6 +135,33 @@ async def test_a_corrupted_chunk_is_refused_and_the_older_anchor_serves(
     fresh = BusWeightReader(cfg, await weights_bus(bus_factory, "generation-2"))
     with pytest.raises(BusWeightsUnavailable, match="chunk 0 of delta-4"):
         await fresh.fetch(4)
+
+
+@pytest.mark.asyncio
+async def test_a_delta_that_decodes_to_another_version_is_named_and_refused(
+    bus_factory: BusFactory, run_name: str
+) -> None:
+    """A delta slot holding a well-formed delta of another step (its chunks match its record) rebuilds
+    a version whose digest differs from the record's: the reader, which checks only the end of a
+    chain first, applies the chain again step by step and refuses that object by name."""
+    cfg = run_config(run_name)
+    bus = await weights_bus(bus_factory, "trainer")
+    writer = BusWeightWriter(cfg, bus)
+    snapshots = versions(5)
+    for v, tensors in enumerate(snapshots):
+        await writer.write(v, dict(tensors))
+    slot = f"delta-{4 % delta_slots(cfg)}"
+    (record,) = [r for r in await writer.store.records() if r.slot == slot]
+    flat = [flatten(dict(t))[0] for t in snapshots]
+    other = codec.encode_delta(flat[2], flat[3], record.word_bytes)  # a step the chain never took
+    chunk = cfg.weight_sync.chunk_kb * 1024
+    forged = dataclasses.replace(record, chunks=codec.piece_digests(other, chunk), payload_bytes=len(other))
+    await writer.store.put(slot, other, forged, chunk)
+    reader = BusWeightReader(cfg, await weights_bus(bus_factory, "generation"))
+    with pytest.raises(BusWeightsUnavailable, match=f"version 4 rebuilt through {slot} has digest"):
+        await reader.fetch(4)
+    got, _ = await reader.fetch(3)  # the versions before it still read back
+    assert all(torch.equal(got[k], t) for k, t in snapshots[3].items())
 
 
 @pytest.mark.asyncio
