@@ -94,7 +94,7 @@ class Held:
 
 
 def to_sample(scored: ScoredGroup) -> Any:
-    from areal_async.training.learner import GroupSample
+    from areal_async.training.samples import GroupSample
 
     g = scored.group
     masks = None
@@ -482,13 +482,24 @@ def _restore(cfg: RunConfig, learner: Any) -> set[str]:
     return set(extra["trained_task_ids"])
 
 
-async def serve(ctx: WorkerContext) -> None:
-    from areal_async.training.learner import Learner, init_trainer_process_group
+def make_learner(cfg: RunConfig) -> Any:
+    """The learner of rank 0: ``Learner`` over the run's training engine, or the simulated one."""
+    if cfg.trainer.backend == "simulated":
+        from areal_async.training.simulated import SimulatedLearner
 
+        return SimulatedLearner(cfg)
+    from areal_async.training.learner import Learner
+
+    return Learner(cfg, resolve_model_path(cfg.model.path))
+
+
+async def serve(ctx: WorkerContext) -> None:
     cfg = ctx.cfg
-    init_trainer_process_group(cfg.trainer.device)
-    model_path = resolve_model_path(cfg.model.path)
-    learner = await anyio.to_thread.run_sync(Learner, cfg, model_path)
+    if cfg.trainer.backend != "simulated":
+        from areal_async.training.learner import init_trainer_process_group
+
+        init_trainer_process_group(cfg.trainer.device)
+    learner = await anyio.to_thread.run_sync(make_learner, cfg)
     trained_ids = await anyio.to_thread.run_sync(_restore, cfg, learner)
     trainer = Trainer(ctx, learner, trained_ids=trained_ids)
     ctx.policy_version = learner.version
