@@ -64,7 +64,7 @@ def step_stats(run_dir: Path, warmup: int, scale: float) -> dict[str, Any]:
     return {
         "steps": len(steps),
         "seconds_per_step": span / len(steps) / scale,
-        "trained_tokens_per_s": sum(s["loss_tokens"] for s in steps) / span * scale,
+        "trained_tokens_per_s": sum(s.get("modelled_tokens", s["loss_tokens"]) for s in steps) / span * scale,
         "wait_s": sum(s["wait_s"] for s in steps) / len(steps) / scale,
         "compute_s": sum(s["compute_s"] for s in steps) / len(steps) / scale,
         "bus_share": sum(s.get("bus_s", 0.0) for s in steps) / step_s,
@@ -182,10 +182,13 @@ def sweep_case(args: argparse.Namespace, engines: int, eta: int, ranks: int) -> 
         f"trainer.num_ranks={ranks}",
         f"trainer.batch_size={max(4, args.groups_per_engine * engines)}",
         f"trainer.total_steps={args.steps}",
+        f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
+        "rollout.max_batch_size=32",
         "checkpoint.every_steps=1000",
         *args.set,
     ]
-    extra = []
+    extra: list[subprocess.Popen[bytes]] = []
+    job: subprocess.Popen[bytes] | None = None
     try:
         cmd = [sys.executable, "-m", "workers", "run", str(args.config), "--no-live"]
         for o in overrides:
@@ -217,7 +220,7 @@ def sweep_case(args: argparse.Namespace, engines: int, eta: int, ranks: int) -> 
         before = varz(server.monitor_url), time.monotonic(), proc_cpu_s(server.pid)
         cpu_before = {role: proc_cpu_s(pid) for role, pid in pids.items() if pid}
         cpu_last = dict(cpu_before)
-        store_before = jsz(server.monitor_url).get("store", 0)
+        store_before = jsz(server.monitor_url).get("storage", 0)
         while job.poll() is None and len(read_jsonl(metrics)) < args.steps:
             time.sleep(0.5)
             for role, pid in pids.items():
@@ -226,10 +229,13 @@ def sweep_case(args: argparse.Namespace, engines: int, eta: int, ranks: int) -> 
                 except OSError:
                     pass
             after = varz(server.monitor_url), time.monotonic(), proc_cpu_s(server.pid)
-            store_after = jsz(server.monitor_url).get("store", 0)
+            store_after = jsz(server.monitor_url).get("storage", 0)
         rc = job.wait(timeout=300)
         log.close()
     finally:
+        if job is not None and job.poll() is None:  # interrupted: stop the run's workers too
+            job.terminate()
+            job.wait(timeout=60)
         for p in extra:
             p.terminate()
         for p in extra:
@@ -286,6 +292,98 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# ---- render --------------------------------------------------------------------------------------
+
+SECTION_START, SECTION_END = "<!-- scale:start -->", "<!-- scale:end -->"
+
+
+def render(args: argparse.Namespace) -> None:
+    """The "scale" section of docs/benchmarks.md and docs/scale.png from the scale baselines."""
+    docs = {
+        d["benchmark"]: d
+        for d in map(json.loads, map(Path.read_text, sorted(harness.BASELINES.glob("scale*__*.json"))))
+    }
+    lines = [SECTION_START, ""]
+    if "scale_validate" in docs:
+        doc = docs["scale_validate"]
+        lines += [
+            "Validation: the simulator fed each whole run's profile, at that run's shape "
+            f"(`{doc['command']}`; {doc['hardware']}, {doc['time'][:10]}).",
+            "",
+            "| run | max_staleness | predicted s/step | measured s/step | error | predicted async/sync | measured | error |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in doc["results"]:
+            if "error" not in r:
+                continue
+            lines.append(
+                f"| {r['hardware']} | {r['max_staleness']} | {r['seconds_per_step']:.2f} | "
+                f"{r['measured_seconds_per_step']:.2f} | {100 * r['error']:+.1f}% | {r.get('speedup', 1):.2f}x | "
+                f"{r.get('measured_speedup', 1):.2f}x | {100 * r.get('speedup_error', 0):+.1f}% |"
+            )
+        lines.append("")
+    if "scale" in docs:
+        doc = docs["scale"]
+        lines += [
+            f"Fleet sweep on one nats-server (`{doc['command']}`; {doc['hardware']}, {doc['time'][:10]}). "
+            "Rates are per second of wall time at the run's `time_scale`; CPU is the share of one core.",
+            "",
+            "| engines | processes | ranks | max_staleness | s/step (modelled) | msgs/s | KB/s | nats-server CPU | "
+            "controller CPU | weight-sync CPU | bus share | staleness mean | hand-off to all (s) | JetStream KB/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in doc["results"]:
+            if "seconds_per_step" not in r:
+                lines.append(f"| {r['engines']} | failed (exit {r['returncode']}) |")
+                continue
+            lines.append(
+                f"| {r['engines']} | {r['processes']} | {r['trainer_ranks']} | {r['max_staleness']} | "
+                f"{r['seconds_per_step']:.2f} | {r['msgs_per_s']:,.0f} | {r['bytes_per_s'] / 1e3:,.0f} | "
+                f"{100 * r['nats_cpu']:.1f}% | {100 * (r['controller_cpu'] or 0):.1f}% | "
+                f"{100 * (r['weight_sync_cpu'] or 0):.1f}% | {100 * r['bus_share']:.2f}% | "
+                f"{r['staleness_mean']:.2f} | {r.get('fanout_s_median', float('nan')):.2f} | "
+                f"{r['jetstream_store_growth_bytes_per_s'] / 1e3:,.1f} |"
+            )
+        lines += ["", "![scale](scale.png)", ""]
+        plot(doc["results"], REPO / "docs" / "scale.png")
+    lines.append(SECTION_END)
+    page_path = REPO / "docs" / "benchmarks.md"
+    page = page_path.read_text()
+    body = "\n".join(lines)
+    if SECTION_START in page:
+        head, _, rest = page.partition(SECTION_START)
+        _, _, tail = rest.partition(SECTION_END)
+        page = head + body + tail
+    else:
+        page = page.rstrip("\n") + "\n\n## scale\n\n" + body + "\n"
+    page_path.write_text(page)
+    print(f"rendered {harness.repo_path(page_path)}")
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "seconds_per_step" in r]
+    engines = [r["engines"] for r in ok]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(engines, [r["msgs_per_s"] for r in ok], marker="o", label="messages/s")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("simulated engines")
+    a.set_ylabel("messages/s through nats-server")
+    b.plot(engines, [100 * r["nats_cpu"] for r in ok], marker="o", label="nats-server")
+    b.plot(engines, [100 * (r["controller_cpu"] or 0) for r in ok], marker="o", label="controller")
+    b.plot(engines, [100 * (r["weight_sync_cpu"] or 0) for r in ok], marker="o", label="weight-sync")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("simulated engines")
+    b.set_ylabel("% of one core")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="part", required=True)
@@ -303,16 +401,21 @@ def main() -> None:
     s.add_argument(
         "--groups-per-engine", type=int, default=2, help="trainer.batch_size = max(4, this x engines)"
     )
+    s.add_argument("--max-new-tokens", type=int, default=1024)
     s.add_argument("--steps", type=int, default=12)
     s.add_argument("--warmup", type=int, default=3)
     s.add_argument("--time-scale", type=float, default=1.0)
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
+    sub.add_parser("render", help="docs/benchmarks.md's scale section and docs/scale.png from the baselines")
     for part in (v, s):
         part.add_argument("--out", type=Path, default=REPO / "runs" / "bench-scale")
         part.add_argument(
             "--save-baseline", action="store_true", help="also write the result as the baseline"
         )
     args = p.parse_args()
+    if args.part == "render":
+        render(args)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     if args.part == "validate":
         rows, name, metrics = validate(args), "scale_validate", VALIDATE_METRICS

@@ -113,6 +113,7 @@ def make_engine(ctx: WorkerContext, model_path: str) -> InferenceEngine:
             seed=cfg.seed,
             flags_dir=flags_dir,
             kv_after_load=cfg.rollout.kv_after_load,
+            token_scale=cfg.simulation.token_scale,
         )
     raise ConfigError(
         f"rollout.engine={cfg.rollout.engine!r} is not available in this build; "

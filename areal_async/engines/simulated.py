@@ -6,7 +6,8 @@ per-token versions, the bus) at the speed of a `Profile` (`areal_async/simulatio
 and hundreds of engines fit on a few CPU cores.
 
 How time passes. Running completions decode in lock-step, one token each per decode step of
-`profile.engine.decode_step(batch)` seconds (times `time_scale`). The engine does not wake per token:
+`profile.engine.decode_step(batch)` seconds (times `time_scale`; with `token_scale` k each simulated
+token stands for k modelled ones: lengths are divided by k, the time of a token multiplied by k). The engine does not wake per token:
 it sleeps until the first running completion ends, and wakes early only when a request arrives or a
 weight load is asked for; then it credits the whole steps that fit in the time slept. A request joins
 at the next step boundary, after its prefill. `load_weights` pauses decoding at the next step
@@ -117,6 +118,7 @@ class SimulatedEngine(InferenceEngine):
         seed: int = 0,
         flags_dir: Path | None = None,
         kv_after_load: str = "recompute",
+        token_scale: int = 1,
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -127,6 +129,7 @@ class SimulatedEngine(InferenceEngine):
         self.max_batch_size = max_batch_size
         self.scale = time_scale
         self.kv_after_load = kv_after_load
+        self.token_scale = token_scale
         self.rng = random.Random(f"{seed}:{engine_id}")
         self.flags_dir = flags_dir
         self._version = 0
@@ -204,6 +207,7 @@ class SimulatedEngine(InferenceEngine):
     # ---- the modelled decode loop ------------------------------------------------------------
 
     def _draw_length(self, cap: int) -> int:
+        """A completion's length in simulated tokens (modelled tokens / token_scale, rounded up)."""
         e = self.profile.engine
         if e.completion_tokens_sigma <= 0:
             length = round(e.completion_tokens_mean)
@@ -211,7 +215,7 @@ class SimulatedEngine(InferenceEngine):
             sigma = e.completion_tokens_sigma
             mu = math.log(e.completion_tokens_mean) - sigma * sigma / 2
             length = round(self.rng.lognormvariate(mu, sigma))
-        return max(1, min(cap, length))
+        return max(1, min(cap, math.ceil(length / self.token_scale)))
 
     async def _sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -235,8 +239,8 @@ class SimulatedEngine(InferenceEngine):
                     await self._wake.wait()
                 continue
             self._set_decoding(True)
-            await self._sleep(prefill * e.prefill_s_per_token)
-            step = e.decode_step(len(self._running)) * self._slowdown()
+            await self._sleep(prefill * e.prefill_s_per_token * self.token_scale)
+            step = e.decode_step(len(self._running)) * self._slowdown() * self.token_scale
             horizon = min(r.length - r.tokens for r in self._running)
             if self.profile.device.shared:
                 horizon = max(1, min(horizon, int(SHARED_SLICE_S / step)))
@@ -270,7 +274,8 @@ class SimulatedEngine(InferenceEngine):
         e, w = self.profile.engine, self.profile.weights
         pause = w.transfer_s + e.load_s
         if self.kv_after_load == "recompute":  # re-prefill prompt + tokens so far with the new weights
-            pause += e.prefill_s_per_token * sum(len(r.request.prompt_ids) + r.tokens for r in self._running)
+            redo = sum(len(r.request.prompt_ids) + r.tokens for r in self._running)
+            pause += e.prefill_s_per_token * redo * self.token_scale
         await self._sleep(pause)
         assert version is not None
         self._version = version

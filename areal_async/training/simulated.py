@@ -60,7 +60,8 @@ class SimulatedLearner:
                 tokens += trained
                 lengths.append(trained)
             rewards.extend(g.rewards)
-        modelled = self.profile.trainer.step_seconds(tokens, self.ranks)
+        modelled_tokens = tokens * self.cfg.simulation.token_scale
+        modelled = self.profile.trainer.step_seconds(modelled_tokens, self.ranks)
         self._work(modelled)
         self._version += 1
         return {
@@ -69,6 +70,7 @@ class SimulatedLearner:
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "completion_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
             "modelled_step_s": modelled,
+            "modelled_tokens": float(modelled_tokens),
         }
 
     def _work(self, seconds: float) -> None:

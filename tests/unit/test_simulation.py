@@ -100,3 +100,20 @@ async def test_completion_lengths_have_a_long_tail_capped_at_max_new_tokens() ->
     assert 30 < sum(lengths) / len(lengths) < 45
     assert max(lengths) == 200 and min(lengths) < 15
     assert all(r.token_ids[-1] == 2 for r in results if r.finish_reason == "stop")
+
+
+@pytest.mark.asyncio
+async def test_token_scale_carries_fewer_tokens_for_the_same_modelled_decode() -> None:
+    """With token_scale 10 a 100-token completion travels as 10 tokens and still takes 100 decode
+    steps of modelled time."""
+    p = profile_from_dict(
+        {
+            "engine": {"decode_step_s": 0.001, "completion_tokens_mean": 100},
+            "trainer": {"seconds_per_token": 1e-3},
+        }
+    )
+    request = GenerationRequest(request_id="r", prompt_ids=(1,), sampling=SamplingParams(max_new_tokens=64))
+    async with SimulatedEngine(p, engine_id="e0", max_batch_size=4, token_scale=10) as engine:
+        [result] = await engine.generate([request])
+    assert len(result.token_ids) == 10
+    assert engine.busy_s >= 100 * 0.001
