@@ -269,6 +269,18 @@ def sweep_case(args: argparse.Namespace, engines: int, eta: int, ranks: int) -> 
         "jetstream_store_growth_bytes_per_s": (store_after - store_before) / elapsed,
         "connections": after[0].get("connections"),
     }
+    bursts = [
+        line
+        for path in (run_dir / "logs").glob("controller*.jsonl")
+        for line in read_jsonl(path)
+        if line.get("event") == "tasks issued" and "seconds" in line
+    ]
+    if bursts:  # admission: from the wake-up (a step, a served version, a failure) to its tasks stored
+        row["admission_burst_s_mean"] = sum(b["seconds"] for b in bursts) / len(bursts)
+        row["admission_burst_s_max"] = max(b["seconds"] for b in bursts)
+        row["admission_ms_per_task"] = (
+            1e3 * sum(b["seconds"] for b in bursts) / sum(b["count"] for b in bursts)
+        )
     served = [
         line["total_s"]
         for path in (run_dir / "logs").glob("weight-sync*.jsonl")

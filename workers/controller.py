@@ -212,6 +212,7 @@ class Controller:
             await self.issue_ready()
 
     async def issue_ready(self) -> None:
+        started = time.monotonic()
         issued_now = 0
         while not self.ended and self.state.issued < self.train_target and self.state.can_issue():
             issue = self.state.take_retry()
@@ -232,6 +233,7 @@ class Controller:
             log.info(
                 "tasks issued",
                 count=issued_now,
+                seconds=round(time.monotonic() - started, 4),
                 issued=self.state.issued,
                 trained=self.state.trained,
                 served_version=self.state.served_version,
