@@ -267,6 +267,7 @@ def sweep_case(args: argparse.Namespace, engines: int, eta: int, ranks: int) -> 
         else None,
         "time_scale": args.time_scale,
         "jetstream_store_growth_bytes_per_s": (store_after - store_before) / elapsed,
+        "jetstream_storage_bytes": store_after,
         "connections": after[0].get("connections"),
     }
     bursts = [
@@ -405,7 +406,7 @@ def main() -> None:
     v.add_argument("--time-scale", type=float, default=0.5)
     s = sub.add_parser("sweep", help="fleet size x staleness x trainer ranks on one nats-server")
     s.add_argument("--config", type=Path, default=CONFIG)
-    s.add_argument("--profile", default="configs/sim_fleet_profile.yaml")
+    s.add_argument("--profile", default="configs/profiles/fleet.yaml")
     s.add_argument("--engines", default="1,8,64,256")
     s.add_argument("--engines-per-process", type=int, default=64)
     s.add_argument("--max-staleness", default="2")
