@@ -414,7 +414,7 @@ class CheckpointConfig:
 @dataclass(frozen=True, kw_only=True)
 class SimulationConfig:
     """Simulated engines and trainer (``rollout.engine`` / ``trainer.backend: simulated``): every
-    other part of the run is real (docs/benchmarks.md "scale")."""
+    other part of the run is real (docs/benchmarks.md "scale_summary")."""
 
     profile: str = ""
     """The modelled hardware: a profile YAML (``areal_async/simulation/profile.py``) or a whole-run

@@ -1,4 +1,4 @@
-"""Scale without the hardware: simulated engines and trainer over the real bus (docs/benchmarks.md "scale").
+"""Scale without the hardware: simulated engines and trainer over the real bus (docs/benchmarks.md "scale_summary").
 
 Two parts, one result each (benchmarks.harness layout):
 
@@ -54,9 +54,12 @@ SWEEP_METRICS: dict[str, harness.Direction] = {
 }
 
 
-def step_stats(run_dir: Path, warmup: int, scale: float) -> dict[str, Any]:
-    """Seconds per step (first to last measured step, as bench_async), the phases and staleness."""
+def step_stats(run_dir: Path, warmup: int, scale: float, cooldown: int = 0) -> dict[str, Any]:
+    """Seconds per step (first to last measured step, as bench_async), the phases and staleness;
+    ``cooldown`` leaves the last steps out (the run's end: no task is issued after the last batch,
+    so its stragglers gate the last step)."""
     steps = read_jsonl(run_dir / "metrics.jsonl")[warmup:]
+    steps = steps[: len(steps) - cooldown] if cooldown else steps
     if len(steps) < 2:
         return {}
     span = steps[-1]["time"] - (steps[0]["time"] - steps[0]["step_s"])
@@ -260,7 +263,7 @@ def sweep_case(
         "max_staleness": eta,
         "trainer_ranks": ranks,
         "returncode": rc,
-        **step_stats(run_dir, args.warmup, scale),
+        **step_stats(run_dir, args.warmup, scale, args.cooldown),
         "msgs_per_s": (
             after[0]["in_msgs"] + after[0]["out_msgs"] - before[0]["in_msgs"] - before[0]["out_msgs"]
         )
@@ -294,6 +297,7 @@ def sweep_case(
         row["admission_ms_per_task"] = (
             1e3 * sum(b["seconds"] for b in bursts) / sum(b["count"] for b in bursts)
         )
+    row["stale_share"] = stale_share(run_dir, batch_size)
     served = [
         line["total_s"]
         for path in (run_dir / "logs").glob("weight-sync*.jsonl")
@@ -308,6 +312,18 @@ def sweep_case(
     return row
 
 
+def stale_share(run_dir: Path, batch_size: int) -> float | None:
+    """Groups the trainer's guard turned away (generated, then wasted) per group trained."""
+    failed = sum(
+        1
+        for path in (run_dir / "logs").glob("trainer*.jsonl")
+        for line in read_jsonl(path)
+        if line.get("event") == "group not trainable"
+    )
+    steps = len(read_jsonl(run_dir / "metrics.jsonl"))
+    return failed / (steps * batch_size) if steps else None
+
+
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for eta in [int(x) for x in args.max_staleness.split(",")]:
@@ -319,7 +335,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ---- render --------------------------------------------------------------------------------------
 
-SECTION_START, SECTION_END = "<!-- scale:start -->", "<!-- scale:end -->"
+SECTION_START, SECTION_END = "<!-- scale_summary:start -->", "<!-- scale_summary:end -->"
 
 
 def render(args: argparse.Namespace) -> None:
@@ -354,8 +370,9 @@ def render(args: argparse.Namespace) -> None:
             "Rates are per second of wall time at the run's `time_scale`; CPU is the share of one core.",
             "",
             "| engines | processes | ranks | max_staleness | s/step (modelled) | msgs/s | KB/s | nats-server CPU | "
-            "controller CPU | weight-sync CPU | bus share | staleness mean | hand-off to all (s) | JetStream KB/s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "controller CPU | weight-sync CPU | admission ms/task | bus share | staleness mean | stale groups | "
+            "hand-off to all (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in doc["results"]:
             if "seconds_per_step" not in r:
@@ -365,12 +382,34 @@ def render(args: argparse.Namespace) -> None:
                 f"| {r['engines']} | {r['processes']} | {r['trainer_ranks']} | {r['max_staleness']} | "
                 f"{r['seconds_per_step']:.2f} | {r['msgs_per_s']:,.0f} | {r['bytes_per_s'] / 1e3:,.0f} | "
                 f"{100 * r['nats_cpu']:.1f}% | {100 * (r['controller_cpu'] or 0):.1f}% | "
-                f"{100 * (r['weight_sync_cpu'] or 0):.1f}% | {100 * r['bus_share']:.2f}% | "
-                f"{r['staleness_mean']:.2f} | {r.get('fanout_s_median', float('nan')):.2f} | "
-                f"{r['jetstream_store_growth_bytes_per_s'] / 1e3:,.1f} |"
+                f"{100 * (r['weight_sync_cpu'] or 0):.1f}% | {r.get('admission_ms_per_task', float('nan')):.2f} | "
+                f"{100 * r['bus_share']:.2f}% | {r['staleness_mean']:.2f} | {100 * (r.get('stale_share') or 0):.0f}% | "
+                f"{r.get('fanout_s_median', float('nan')):.2f} |"
             )
         lines += ["", "![scale](scale.png)", ""]
         plot(doc["results"], REPO / "docs" / "scale.png")
+    if "scale_areal" in docs:
+        doc = docs["scale_areal"]
+        lines += [
+            f"AReaL's 1.5B setting (`{doc['command']}`; {doc['hardware']}, {doc['time'][:10]}): 3/4 of the "
+            "GPUs generate, `configs/profiles/areal_1p5b.yaml`; effective trained tokens/s predicted and "
+            "reported by the paper (Appendix C.3 at 8 GPUs; Fig. 4, read from its plot, at 32 and 256).",
+            "",
+            "| GPUs | engines | trainer ranks | max_staleness | prompts x 16 per step | predicted tokens/s | AReaL | "
+            "s/step | staleness mean | stale groups |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in doc["results"]:
+            if "seconds_per_step" not in r:
+                lines.append(f"| {r['gpus']} | failed (exit {r['returncode']}) |")
+                continue
+            paper = r.get("published_tokens_per_s")
+            lines.append(
+                f"| {r['gpus']} | {r['engines']} | {r['trainer_ranks']} | {r['max_staleness']} | {r['batch_size']} | "
+                f"{r['trained_tokens_per_s']:,.0f} | {f'{paper:,}' if paper else '-'} | {r['seconds_per_step']:.0f} | "
+                f"{r['staleness_mean']:.2f} | {100 * (r.get('stale_share') or 0):.0f}% |"
+            )
+        lines.append("")
     lines.append(SECTION_END)
     page_path = REPO / "docs" / "benchmarks.md"
     page = page_path.read_text()
@@ -380,7 +419,7 @@ def render(args: argparse.Namespace) -> None:
         _, _, tail = rest.partition(SECTION_END)
         page = head + body + tail
     else:
-        page = page.rstrip("\n") + "\n\n## scale\n\n" + body + "\n"
+        page = page.rstrip("\n") + "\n\n## scale_summary\n\n" + body + "\n"
     page_path.write_text(page)
     print(f"rendered {harness.repo_path(page_path)}")
 
@@ -391,13 +430,15 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if "seconds_per_step" in r]
+    eta = max((r["max_staleness"] for r in rows), key=lambda e: sum(r["max_staleness"] == e for r in rows))
+    ok = [r for r in rows if "seconds_per_step" in r and r["max_staleness"] == eta]
     engines = [r["engines"] for r in ok]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot(engines, [r["msgs_per_s"] for r in ok], marker="o", label="messages/s")
     a.set_xscale("log", base=2)
     a.set_xlabel("simulated engines")
     a.set_ylabel("messages/s through nats-server")
+    a.set_title(f"max_staleness {eta}, time_scale {ok[0]['time_scale'] if ok else ''}")
     b.plot(engines, [100 * r["nats_cpu"] for r in ok], marker="o", label="nats-server")
     b.plot(engines, [100 * (r["controller_cpu"] or 0) for r in ok], marker="o", label="controller")
     b.plot(engines, [100 * (r["weight_sync_cpu"] or 0) for r in ok], marker="o", label="weight-sync")
@@ -461,6 +502,7 @@ def main() -> None:
     s.add_argument("--max-new-tokens", type=int, default=1024)
     s.add_argument("--steps", type=int, default=12)
     s.add_argument("--warmup", type=int, default=3)
+    s.add_argument("--cooldown", type=int, default=1, help="leave the last N steps out (the run's drain)")
     s.add_argument("--time-scale", type=float, default=1.0)
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
     a = sub.add_parser(
@@ -479,6 +521,7 @@ def main() -> None:
     a.add_argument("--max-new-tokens", type=int, default=120, help="simulated tokens (x token_scale 64)")
     a.add_argument("--steps", type=int, default=6)
     a.add_argument("--warmup", type=int, default=2)
+    a.add_argument("--cooldown", type=int, default=1, help="leave the last N steps out (the run's drain)")
     a.add_argument(
         "--set",
         action="append",

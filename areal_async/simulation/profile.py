@@ -11,7 +11,7 @@ their own hardware, or from a measured whole run (`benchmarks/baselines/async__<
     weights:  {bytes: 804000000, bandwidth_gb_s: 50.0}
     device:   {shared: true, train_slowdown: 1.69, decode_slowdown: 1.69}
 
-Time model (docs/benchmarks.md "scale"). An engine decodes its running completions in lock-step:
+Time model (docs/benchmarks.md "scale_summary"). An engine decodes its running completions in lock-step:
 one decode step takes `decode_step_s + decode_step_per_seq_s * batch` and gives every running
 completion one token; a new request first pays `prefill_s_per_token` per prompt token. Completion
 lengths are lognormal with the given mean and sigma (sigma 0: every completion the mean), capped at
