@@ -61,17 +61,30 @@ class SimulatedTokenizer:
     """The slice of the Hugging Face tokenizer interface that generation and agent workers use."""
 
     eos_token_id = EOS_ID
-    chat_template = None
+    chat_template = "simulated"
+    """A stand-in name: `apply_chat_template` renders `<|role|>content` lines (agent workflows)."""
     model_max_length = 1 << 20
 
     def __init__(self, prompt_tokens: int = 0) -> None:
         self.prompt_tokens = prompt_tokens
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        """One token per byte; with `prompt_tokens`, a whole prompt (special tokens added, as
+        `render_prompt` asks) is repeated or cut to that length."""
         ids = [256 + b for b in text.encode()] or [256]
-        if self.prompt_tokens:
+        if self.prompt_tokens and add_special_tokens:
             ids = (ids * (self.prompt_tokens // len(ids) + 1))[: self.prompt_tokens]
         return {"input_ids": ids}
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+        **_: Any,
+    ) -> str:
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        return text + ("<|assistant|>" if add_generation_prompt else "")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self(text, add_special_tokens)["input_ids"]

@@ -117,3 +117,28 @@ async def test_token_scale_carries_fewer_tokens_for_the_same_modelled_decode() -
         [result] = await engine.generate([request])
     assert len(result.token_ids) == 10
     assert engine.busy_s >= 100 * 0.001
+
+
+@pytest.mark.asyncio
+async def test_a_multi_turn_session_runs_on_the_simulated_engine_and_tokenizer() -> None:
+    """Agent workflows render conversations with the simulated tokenizer's stand-in chat template:
+    a model turn from the simulated engine, then feedback, extend one token sequence whose model
+    tokens carry versions."""
+    from areal_async.agents.client import ChatSession, EngineClient
+    from areal_async.engines.simulated import SimulatedTokenizer
+
+    p = profile_from_dict(
+        {
+            "engine": {"decode_step_s": 1e-4, "completion_tokens_mean": 6},
+            "trainer": {"seconds_per_token": 1e-3},
+        }
+    )
+    session = ChatSession(SimulatedTokenizer(), [{"role": "user", "content": "3+4="}])
+    start = len(session.token_ids)
+    async with SimulatedEngine(p, engine_id="e0", max_batch_size=4) as engine:
+        client = EngineClient(engine)
+        await session.generate(client, SamplingParams(max_new_tokens=8))
+        session.add_messages([{"role": "user", "content": "try again"}], role="environment")
+        await session.generate(client, SamplingParams(max_new_tokens=8))
+    assert len(session.token_ids) > start + 12
+    assert sum(t.trained for t in session.turns) == 2
