@@ -312,6 +312,122 @@ def sweep_case(
     return row
 
 
+def cluster_case(args: argparse.Namespace, engines: int, eta: int, ranks: int) -> dict[str, Any]:
+    """``sweep_case`` on the shipped 3-node cluster (scripts/nats/, routes on loopback, per-role users,
+    R3 streams): every role runs as its own ``areal-worker`` logged in as its own user, as under
+    systemd; server rates and CPU are summed over the three nodes."""
+    import anyio
+
+    from bus.embedded import EmbeddedServer
+    from tests.helpers.ops_helpers import (
+        cluster_configs,
+        free_port,
+        password_env,
+        role_passwords,
+        start_together,
+    )
+
+    label = f"cluster-e{engines}-s{eta}-r{ranks}"
+    run_dir = args.out / label
+    shutil.rmtree(run_dir, ignore_errors=True)
+    per = min(engines, args.engines_per_process)
+    processes = -(-engines // per)
+    batch_size = max(4, args.groups_per_engine * engines)
+    passwords = role_passwords()
+    os.environ.update(password_env(passwords))  # the servers read their users' passwords from it
+    mains = cluster_configs(run_dir / "etc", [free_port() for _ in range(3)])
+    servers = [
+        EmbeddedServer(run_dir / f"store-{k}", config_file=m, http_port=-1) for k, m in enumerate(mains)
+    ]
+    anyio.run(start_together, servers)
+    urls = ",".join(str(s.url) for s in servers)
+    overrides = [
+        f"name=scale-{label}",
+        f"dir={run_dir}",
+        f"bus.url={urls}",
+        "bus.replicas=3",
+        f"simulation.profile={args.profile}",
+        f"simulation.time_scale={args.time_scale}",
+        f"simulation.engines_per_worker={per}",
+        f"rollout.max_staleness={eta}",
+        f"trainer.num_ranks={ranks}",
+        f"trainer.batch_size={batch_size}",
+        f"trainer.total_steps={args.steps}",
+        f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
+        "rollout.max_batch_size=32",
+        "checkpoint.every_steps=1000",
+        *args.set,
+    ]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(role: str, worker_id: str) -> None:
+        cmd = [sys.executable, "-m", "workers.cli", "--role", role, "--config", str(args.config)]
+        for o in [*overrides, f"bus.user={role}"]:
+            cmd += ["--set", o]
+        env = {**os.environ, "AREAL_NATS_PASSWORD": passwords[role]}
+        out = open(run_dir / f"{worker_id}.out", "wb")  # noqa: SIM115 - the child holds it
+        procs[worker_id] = subprocess.Popen(
+            [*cmd, "--worker-id", worker_id], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+
+    try:
+        for role in ("controller", "reward", "trainer", "weight-sync"):
+            start(role, f"{role}-1")
+        for k in range(processes):
+            start("generation", f"fleet{k}")
+        metrics = run_dir / "metrics.jsonl"
+        while len(read_jsonl(metrics)) < args.warmup and procs["trainer-1"].poll() is None:
+            time.sleep(0.5)
+        monitors = [str(s.monitor_url) for s in servers]
+        pids = [s.pid for s in servers]
+        ctl = procs["controller-1"].pid
+
+        def sample() -> tuple[int, int, float, float, float]:
+            v = [varz(m) for m in monitors]
+            return (
+                sum(x["in_msgs"] + x["out_msgs"] for x in v),
+                sum(x["in_bytes"] + x["out_bytes"] for x in v),
+                time.monotonic(),
+                sum(proc_cpu_s(p) for p in pids if p),
+                proc_cpu_s(ctl),
+            )
+
+        before = after = sample()
+        while procs["trainer-1"].poll() is None and len(read_jsonl(metrics)) < args.steps:
+            time.sleep(0.5)
+            after = sample()
+        rc = procs["controller-1"].wait(timeout=300)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            p.wait(timeout=60)
+        for server in servers:
+            server.stop()
+    elapsed = after[2] - before[2]
+    row: dict[str, Any] = {
+        "case": label,
+        "engines": engines,
+        "processes": processes,
+        "max_staleness": eta,
+        "trainer_ranks": ranks,
+        "returncode": rc,
+        "nodes": 3,
+        **step_stats(run_dir, args.warmup, args.time_scale, args.cooldown),
+        "msgs_per_s": (after[0] - before[0]) / elapsed,
+        "bytes_per_s": (after[1] - before[1]) / elapsed,
+        "nats_cpu": (after[3] - before[3]) / elapsed,
+        "controller_cpu": (after[4] - before[4]) / elapsed,
+        "weight_sync_cpu": None,
+        "time_scale": args.time_scale,
+        "batch_size": batch_size,
+        "stale_share": stale_share(run_dir, batch_size),
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def stale_share(run_dir: Path, batch_size: int) -> float | None:
     """Groups the trainer's guard turned away (generated, then wasted) per group trained."""
     failed = sum(
@@ -329,7 +445,8 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     for eta in [int(x) for x in args.max_staleness.split(",")]:
         for ranks in [int(x) for x in args.ranks.split(",")]:
             for engines in [int(x) for x in args.engines.split(",")]:
-                rows.append(sweep_case(args, engines, eta, ranks))
+                case = cluster_case if args.cluster else sweep_case
+                rows.append(case(args, engines, eta, ranks))
     return rows
 
 
@@ -500,6 +617,7 @@ def main() -> None:
         "--groups-per-engine", type=int, default=2, help="trainer.batch_size = max(4, this x engines)"
     )
     s.add_argument("--max-new-tokens", type=int, default=1024)
+    s.add_argument("--cluster", action="store_true", help="the shipped 3-node cluster instead of one server")
     s.add_argument("--steps", type=int, default=12)
     s.add_argument("--warmup", type=int, default=3)
     s.add_argument("--cooldown", type=int, default=1, help="leave the last N steps out (the run's drain)")
