@@ -279,7 +279,9 @@ class AgentConfig:
     """multi_turn: the message asking for another try after a wrong answer (None: the built-in one)."""
 
     concurrency: int = 64
-    """Episodes one agent worker runs at a time (its generation calls in flight)."""
+    """Episodes one agent worker runs at a time (its generation calls in flight). The agent workers
+    together should cover the episodes admission allows, (max_staleness + 1) x trainer.batch_size x
+    group_size, or the generation fleet idles (docs/benchmarks.md "scale_summary")."""
 
     call_timeout_s: float = 120.0
     """How long one generation call may take before it is retried on another generation worker."""

@@ -281,6 +281,8 @@ def sweep_case(
         else None,
         "time_scale": scale,
         "batch_size": batch_size,
+        "nodes": 1,
+        "workflow": workflow_of(args),
         "jetstream_store_growth_bytes_per_s": (store_after - store_before) / elapsed,
         "jetstream_storage_bytes": store_after,
         "connections": after[0].get("connections"),
@@ -371,7 +373,8 @@ def cluster_case(args: argparse.Namespace, engines: int, eta: int, ranks: int) -
         )
 
     try:
-        for role in ("controller", "reward", "trainer", "weight-sync"):
+        scorer = "reward" if workflow_of(args) == "single_turn" else "agent"
+        for role in ("controller", scorer, "trainer", "weight-sync"):
             start(role, f"{role}-1")
         for k in range(processes):
             start("generation", f"fleet{k}")
@@ -422,10 +425,17 @@ def cluster_case(args: argparse.Namespace, engines: int, eta: int, ranks: int) -
         "weight_sync_cpu": None,
         "time_scale": args.time_scale,
         "batch_size": batch_size,
+        "workflow": workflow_of(args),
         "stale_share": stale_share(run_dir, batch_size),
     }
     print(json.dumps(row), flush=True)
     return row
+
+
+def workflow_of(args: argparse.Namespace) -> str:
+    """The run's ``rollout.workflow`` as ``--set`` gives it (single_turn by default)."""
+    sets = [o.split("=", 1)[1] for o in args.set if o.startswith("rollout.workflow=")]
+    return sets[-1] if sets else "single_turn"
 
 
 def stale_share(run_dir: Path, batch_size: int) -> float | None:
@@ -486,23 +496,35 @@ def render(args: argparse.Namespace) -> None:
             f"Fleet sweep on one nats-server (`{doc['command']}`; {doc['hardware']}, {doc['time'][:10]}). "
             "Rates are per second of wall time at the run's `time_scale`; CPU is the share of one core.",
             "",
-            "| engines | processes | ranks | max_staleness | s/step (modelled) | msgs/s | KB/s | nats-server CPU | "
+            "| engines | processes | ranks | max_staleness | traffic | bus | s/step (modelled) | msgs/s | KB/s | nats-server CPU | "
             "controller CPU | weight-sync CPU | admission ms/task | bus share | staleness mean | stale groups | "
             "hand-off to all (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in doc["results"]:
             if "seconds_per_step" not in r:
                 lines.append(f"| {r['engines']} | failed (exit {r['returncode']}) |")
                 continue
-            lines.append(
-                f"| {r['engines']} | {r['processes']} | {r['trainer_ranks']} | {r['max_staleness']} | "
-                f"{r['seconds_per_step']:.2f} | {r['msgs_per_s']:,.0f} | {r['bytes_per_s'] / 1e3:,.0f} | "
-                f"{100 * r['nats_cpu']:.1f}% | {100 * (r['controller_cpu'] or 0):.1f}% | "
-                f"{100 * (r['weight_sync_cpu'] or 0):.1f}% | {r.get('admission_ms_per_task', float('nan')):.2f} | "
-                f"{100 * r['bus_share']:.2f}% | {r['staleness_mean']:.2f} | {100 * (r.get('stale_share') or 0):.0f}% | "
-                f"{r.get('fanout_s_median', float('nan')):.2f} |"
-            )
+            cells = [
+                r["engines"],
+                r["processes"],
+                r["trainer_ranks"],
+                r["max_staleness"],
+                r.get("workflow", "single_turn").replace("_", "-"),
+                "3-node cluster" if r.get("nodes", 1) == 3 else "one server",
+                cell(r.get("seconds_per_step"), "{:.2f}"),
+                cell(r.get("msgs_per_s"), "{:,.0f}"),
+                cell(r.get("bytes_per_s"), "{:,.0f}", 1e-3),
+                cell(r.get("nats_cpu"), "{:.1f}%", 100),
+                cell(r.get("controller_cpu"), "{:.1f}%", 100),
+                cell(r.get("weight_sync_cpu"), "{:.1f}%", 100),
+                cell(r.get("admission_ms_per_task"), "{:.2f}"),
+                cell(r.get("bus_share"), "{:.2f}%", 100),
+                cell(r.get("staleness_mean"), "{:.2f}"),
+                cell(r.get("stale_share"), "{:.0f}%", 100),
+                cell(r.get("fanout_s_median"), "{:.2f}"),
+            ]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines += ["", "![scale](scale.png)", ""]
         plot(doc["results"], REPO / "docs" / "scale.png")
     if "scale_areal" in docs:
@@ -541,6 +563,10 @@ def render(args: argparse.Namespace) -> None:
     print(f"rendered {harness.repo_path(page_path)}")
 
 
+def cell(value: float | None, spec: str, factor: float = 1.0) -> str:
+    return "-" if value is None else spec.format(value * factor)
+
+
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib
 
@@ -548,7 +574,14 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     eta = max((r["max_staleness"] for r in rows), key=lambda e: sum(r["max_staleness"] == e for r in rows))
-    ok = [r for r in rows if "seconds_per_step" in r and r["max_staleness"] == eta]
+    ok = [
+        r
+        for r in rows
+        if "seconds_per_step" in r
+        and r["max_staleness"] == eta
+        and r.get("nodes", 1) == 1
+        and r.get("workflow", "single_turn") == "single_turn"
+    ]
     engines = [r["engines"] for r in ok]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot(engines, [r["msgs_per_s"] for r in ok], marker="o", label="messages/s")
