@@ -37,6 +37,7 @@ __all__ = [
     "RunConfig",
     "SFTConfig",
     "SamplingConfig",
+    "SimulationConfig",
     "TrainerConfig",
     "WandbConfig",
     "WatchdogConfig",
@@ -190,8 +191,9 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling of training rollouts; evaluation is always greedy."""
 
-    engine: Literal["local", "vllm", "sglang"] = "local"
-    """Inference engine of generation workers."""
+    engine: Literal["local", "vllm", "sglang", "simulated"] = "local"
+    """Inference engine of generation workers; ``simulated``: no model, tokens at the speed
+    ``simulation.profile`` models (``areal_async/engines/simulated.py``)."""
 
     server_urls: list[str] = field(default_factory=list)
     """vLLM/SGLang server URLs when ``engine`` is remote."""
@@ -282,7 +284,9 @@ class AgentConfig:
     """multi_turn: the message asking for another try after a wrong answer (None: the built-in one)."""
 
     concurrency: int = 64
-    """Episodes one agent worker runs at a time (its generation calls in flight)."""
+    """Episodes one agent worker runs at a time (its generation calls in flight). The agent workers
+    together should cover the episodes admission allows, (max_staleness + 1) x trainer.batch_size x
+    group_size, or the generation fleet idles (docs/benchmarks.md "scale_summary")."""
 
     call_timeout_s: float = 120.0
     """How long one generation call may take before it is retried on another generation worker."""
@@ -415,6 +419,32 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SimulationConfig:
+    """Simulated engines and trainer (``rollout.engine`` / ``trainer.backend: simulated``): every
+    other part of the run is real (docs/benchmarks.md "scale_summary")."""
+
+    profile: str = ""
+    """The modelled hardware: a profile YAML (``areal_async/simulation/profile.py``) or a whole-run
+    baseline ``benchmarks/baselines/async__<hardware>.json`` (``#<row>``: its synchronous row)."""
+
+    time_scale: float = 1.0
+    """Multiplies every modelled duration: 0.1 runs ten times faster than the modelled hardware."""
+
+    engines_per_worker: int = 1
+    """Simulated engines one generation worker process runs, each its own bus client and worker id."""
+
+    token_scale: int = 1
+    """Modelled tokens each simulated token stands for: 64 lets 10k-token completions travel as ~160
+    tokens (the bus carries 1/64 of their bytes, not fewer messages); lengths, decode and training
+    times are modelled in full. ``rollout.sampling.max_new_tokens`` counts simulated tokens."""
+
+    def __post_init__(self) -> None:
+        if not self.time_scale > 0:
+            raise ValueError(f"simulation.time_scale must be > 0, got {self.time_scale}")
+        positive(self, "engines_per_worker", "token_scale")
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of every worker."""
@@ -481,6 +511,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
     sft: SFTConfig | None = None
     """Supervised warm start (``areal-async sft``); None: the run file has no ``sft`` section."""
 
@@ -507,6 +538,21 @@ class RunConfig:
                 "looks like a frozen worker; raise it"
             )
         transport = self.weight_sync.transport
+        simulated = [
+            k
+            for k, v in (("rollout.engine", self.rollout.engine), ("trainer.backend", self.trainer.backend))
+            if v == "simulated"
+        ]
+        if simulated and not self.simulation.profile:
+            raise ValueError(
+                f"{simulated[0]} is simulated but simulation.profile is empty; name a profile YAML or a "
+                "benchmarks/baselines/async__<hardware>.json baseline"
+            )
+        if simulated and transport != "disk":
+            raise ValueError(
+                f"{simulated[0]} is simulated, which models the weight hand-off itself, but "
+                f"weight_sync.transport is {transport!r}; set weight_sync.transport: disk"
+            )
         if transport in ("cuda_ipc", "nccl") and self.trainer.device != "cuda":
             raise ValueError(
                 f"weight_sync.transport {transport!r} moves weights between GPUs, but trainer.device is "

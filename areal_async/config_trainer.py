@@ -233,9 +233,11 @@ class TrainerConfig:
     Triton where it runs and its launch shapes were tuned (head_dim 64 or 128), else flash. CPU
     trainers run exact SDPA per sequence whatever this says."""
 
-    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    backend: Literal["fsdp2", "megatron", "simulated"] = "fsdp2"
     """``fsdp2``: the HF model sharded by PyTorch FSDP2. ``megatron``: the model rebuilt on megatron-core
-    with tensor parallelism (Llama, Qwen2, Qwen3 families; ``pip install areal-async[megatron]``)."""
+    with tensor parallelism (Llama, Qwen2, Qwen3 families; ``pip install areal-async[megatron]``).
+    ``simulated``: no model; each step takes the time ``simulation.profile`` models for its tokens and
+    ``num_ranks`` ranks, in one process (``areal_async/training/simulated.py``)."""
 
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallelism of the megatron backend (ignored by fsdp2)."""

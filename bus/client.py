@@ -48,8 +48,8 @@ import random
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -123,7 +123,10 @@ class Bus:
         self.worker_id = options.name or f"{socket.gethostname()}-{os.getpid()}"
         self.stats: Counter[str] = Counter()
         """published, consumed, deadletter, deadletter_lost, permission_denied, publish_retries;
-        publish_s and decode_s (seconds spent)."""
+        publish_s (wall seconds while any publish or request was in flight: concurrent ones count
+        once) and decode_s (seconds spent decoding)."""
+        self._in_flight = 0
+        self._in_flight_since = 0.0
         self._max_msg_size: dict[str, int] = {}
         self._kv: dict[str, KeyValue] = {}
         self.open_iterators: set[BusIterator[Any]] = set()
@@ -212,11 +215,21 @@ class Bus:
         BusPermissionError (at once, naming the subject), TypeError for an event type the
         subject does not carry.
         """
-        started = time.perf_counter()
-        try:
+        with self._publishing():
             return await self._publish(subject, event, msg_id, policy_version, leader_wait_s)
+
+    @contextmanager
+    def _publishing(self) -> Iterator[None]:
+        """Count the wall time while at least one publish or request is in flight into ``publish_s``."""
+        if not self._in_flight:
+            self._in_flight_since = time.perf_counter()
+        self._in_flight += 1
+        try:
+            yield
         finally:
-            self.stats["publish_s"] += time.perf_counter() - started
+            self._in_flight -= 1
+            if not self._in_flight:
+                self.stats["publish_s"] += time.perf_counter() - self._in_flight_since
 
     async def _publish(
         self,
@@ -473,15 +486,13 @@ class Bus:
         payload = encode(event)
         headers = headers_for(event, self.run, None, None)
         check_payload(subject, len(payload) + header_bytes(headers), self.nc.max_payload)
-        started = time.perf_counter()
         try:
-            msg = await self.nc.request(subject, payload, timeout=timeout_s, headers=headers)
+            with self._publishing():
+                msg = await self.nc.request(subject, payload, timeout=timeout_s, headers=headers)
         except nats.errors.NoRespondersError:
             raise NoResponders(f"nobody serves {subject}; start a worker that answers it") from None
         except nats.errors.TimeoutError:
             raise TimeoutError(f"no reply on {subject} within {timeout_s:g} s") from None
-        finally:
-            self.stats["publish_s"] += time.perf_counter() - started
         self.stats["published"] += 1
         return decode(msg.data)
 

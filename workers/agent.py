@@ -57,7 +57,7 @@ from bus.events import (
 )
 from bus.state import RunState
 from bus.subjects import Streams
-from workers.common import check_issued, resolve_model_path, run_sampling, task_group
+from workers.common import check_issued, resolve_model_path, run_sampling, run_tokenizer, task_group
 from workers.runtime import WorkerContext
 
 log = structlog.get_logger()
@@ -383,15 +383,14 @@ async def _keep_alive(delivery: Any) -> None:
 
 
 async def serve(ctx: WorkerContext) -> None:
-    from areal_async.models import load_tokenizer
-
     cfg = ctx.cfg
     if not cfg.uses_agents:
         raise ConfigError(
             "rollout.workflow is 'single_turn': generation workers take the prompts themselves and an agent "
             "worker would compete with them; set rollout.workflow (multi_turn, tool_use, package.module:fn)"
         )
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
+    simulated = cfg.rollout.engine == "simulated"
+    tokenizer = run_tokenizer(cfg, "" if simulated else resolve_model_path(cfg.model.path))
     async with RewardPool(
         cfg.reward.fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s
     ) as pool:

@@ -110,8 +110,11 @@ def _run_worker(args: argparse.Namespace) -> int:
         return _fail(f"role {args.role!r} is not implemented in this build", code=2)
     if args.role == "trainer" and module.is_follower():
         return module.follow(cfg)  # torchrun ranks > 0 only compute
-    from workers.runtime import run_role
+    from workers.runtime import run_fleet, run_role
 
+    fleet = cfg.simulation.engines_per_worker
+    if args.role == "generation" and cfg.rollout.engine == "simulated" and fleet > 1:
+        return run_fleet(cfg, role=args.role, serve=module.serve, count=fleet, worker_id=args.worker_id)
     return run_role(cfg, role=args.role, serve=module.serve, worker_id=args.worker_id)
 
 

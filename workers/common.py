@@ -35,6 +35,18 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+def run_tokenizer(cfg: RunConfig, model_path: str) -> Any:
+    """The tokenizer of ``model_path``, or the simulated one when ``rollout.engine`` is simulated."""
+    if cfg.rollout.engine == "simulated":
+        from areal_async.engines.simulated import SimulatedTokenizer
+        from areal_async.simulation.profile import load_profile
+
+        return SimulatedTokenizer(load_profile(cfg.simulation.profile).engine.prompt_tokens)
+    from areal_async.models import load_tokenizer
+
+    return load_tokenizer(model_path)
+
+
 def weights_root(cfg: RunConfig) -> Path:
     return cfg.weights_root.resolve()
 

@@ -57,7 +57,14 @@ from bus.events import (
 )
 from bus.state import WEIGHTS_SERVED, RunState, StateRecordError
 from bus.subjects import Streams
-from workers.common import check_issued, checked_weights_path, resolve_model_path, run_sampling, task_group
+from workers.common import (
+    check_issued,
+    checked_weights_path,
+    resolve_model_path,
+    run_sampling,
+    run_tokenizer,
+    task_group,
+)
 from workers.runtime import WorkerContext
 
 log = structlog.get_logger()
@@ -92,9 +99,25 @@ def make_engine(ctx: WorkerContext, model_path: str) -> InferenceEngine:
         from areal_async.engines.sglang import SGLangEngine
 
         return SGLangEngine(cfg.rollout.server_urls, engine_id=ctx.worker_id)
+    if cfg.rollout.engine == "simulated":
+        from areal_async.engines.simulated import SimulatedEngine
+        from areal_async.simulation.profile import load_profile
+
+        flags_dir = cfg.run_dir / "sim"
+        flags_dir.mkdir(parents=True, exist_ok=True)
+        return SimulatedEngine(
+            load_profile(cfg.simulation.profile),
+            engine_id=ctx.worker_id,
+            max_batch_size=cfg.rollout.max_batch_size,
+            time_scale=cfg.simulation.time_scale,
+            seed=cfg.seed,
+            flags_dir=flags_dir,
+            kv_after_load=cfg.rollout.kv_after_load,
+            token_scale=cfg.simulation.token_scale,
+        )
     raise ConfigError(
         f"rollout.engine={cfg.rollout.engine!r} is not available in this build; "
-        "use rollout.engine=local, vllm or sglang"
+        "use rollout.engine=local, vllm, sglang or simulated"
     )
 
 
@@ -449,10 +472,8 @@ async def _keep_alive(delivery: Any) -> None:
 
 
 async def serve(ctx: WorkerContext) -> None:
-    from areal_async.models import load_tokenizer
-
-    model_path = resolve_model_path(ctx.cfg.model.path)
-    tokenizer = load_tokenizer(model_path)
+    model_path = "" if ctx.cfg.rollout.engine == "simulated" else resolve_model_path(ctx.cfg.model.path)
+    tokenizer = run_tokenizer(ctx.cfg, model_path)
     engine = make_engine(ctx, model_path)
     async with engine:
         gen = Generator(ctx, engine, tokenizer)

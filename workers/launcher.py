@@ -81,7 +81,7 @@ def _worker_argv(
     for o in [*overrides, f"bus.url={url}", *own]:
         sets += ["--set", o]
     base = ["--role", role, "--config", config_path, *sets]
-    if role == "trainer" and cfg.trainer.num_ranks > 1:
+    if role == "trainer" and cfg.trainer.num_ranks > 1 and cfg.trainer.backend != "simulated":
         return [
             sys.executable,
             "-m",
@@ -548,6 +548,9 @@ def _prepare_model(cfg: RunConfig, roles: Sequence[str]) -> Path | None:
     """Convert the bundled model once, before the workers start (they would race otherwise); for
     any other ``model.path``, check that it can be loaded here before starting the roles that load
     it (every role reads at least its tokenizer but reward and weight-sync)."""
+    simulated = cfg.rollout.engine == "simulated" and cfg.trainer.backend == "simulated"
+    if simulated:  # no role loads the model or its tokenizer
+        return None
     if cfg.model.path != "smollm2":
         if set(roles) - {"reward", "weight-sync"}:
             check_model_available(cfg.model.path)

@@ -396,8 +396,61 @@ def _exit_on_stop_signal(code: int) -> None:
         signal.signal(signum, _exit)
 
 
+def run_fleet(
+    cfg: RunConfig,
+    *,
+    role: str,
+    serve: Callable[[WorkerContext], Awaitable[None]],
+    count: int,
+    worker_id: str | None = None,
+) -> int:
+    """Run ``count`` workers of ``role`` in this process, each with its own bus connection, worker
+    id (``<worker_id>-<i>``) and heartbeat: as many bus clients as separate processes would be,
+    for roles whose work is cheap (simulated engines). One failing worker stops the others; the
+    exit code is the highest."""
+    worker_id = worker_id or os.environ.get("AREAL_WORKER_ID") or default_worker_id(role)
+    logs_dir = cfg.run_dir / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    configure_logging(
+        level=cfg.logging.level,
+        fmt=cfg.logging.format,
+        json_file=logs_dir / f"{worker_id}.jsonl",
+        role=role,
+        worker_id=worker_id,
+        rank=0,
+    )
+    write_resolved_config(cfg, role)
+
+    async def fleet() -> int:
+        codes: list[int] = []
+
+        async def one(i: int) -> None:
+            structlog.contextvars.bind_contextvars(worker_id=f"{worker_id}-{i}")
+            codes.append(await _main(cfg, role, f"{worker_id}-{i}", serve, handle_signals=False))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_signals, tg.cancel_scope)
+            async with anyio.create_task_group() as workers:
+                for i in range(count):
+                    workers.start_soon(one, i)
+            tg.cancel_scope.cancel()
+        return max(codes, default=0)
+
+    try:
+        code = anyio.run(fleet, backend="asyncio")
+    except KeyboardInterrupt:
+        code = 130
+    _exit_on_stop_signal(code)
+    return code
+
+
 async def _main(
-    cfg: RunConfig, role: str, worker_id: str, serve: Callable[[WorkerContext], Awaitable[None]]
+    cfg: RunConfig,
+    role: str,
+    worker_id: str,
+    serve: Callable[[WorkerContext], Awaitable[None]],
+    *,
+    handle_signals: bool = True,
 ) -> int:
     bus = await open_bus(cfg, name=worker_id)
     ctx = WorkerContext(cfg=cfg, role=role, worker_id=worker_id, bus=bus)
@@ -405,7 +458,8 @@ async def _main(
     code = 0
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_signals, tg.cancel_scope)
+            if handle_signals:
+                tg.start_soon(_signals, tg.cancel_scope)
             tg.start_soon(_heartbeats, ctx)
             start_self_watchdog(cfg, lambda: _own_beat(ctx))
             tg.start_soon(_watch_run_end, ctx, tg.cancel_scope)

@@ -104,7 +104,7 @@ class Held:
 
 
 def to_sample(scored: ScoredGroup) -> Any:
-    from areal_async.training.learner import GroupSample
+    from areal_async.training.samples import GroupSample
 
     g = scored.group
     masks = None
@@ -292,13 +292,15 @@ class Trainer:
         """
         batch_size = self.cfg.trainer.batch_size
         while True:
-            for held in list(self.pending.values()):
-                reason, detail = self.verdict(held)
-                if reason != "ok":
-                    log.info(
-                        "group not trainable", task_id=held.task_id, reason=reason, head=held.head_version
-                    )
-                    await self.fail(held, reason, detail)
+            unfit = [(held, *self.verdict(held)) for held in list(self.pending.values())]
+            # Published together: one round trip for all, not one each (hundreds per step at scale).
+            async with anyio.create_task_group() as tg:
+                for held, reason, detail in unfit:
+                    if reason != "ok":
+                        log.info(
+                            "group not trainable", task_id=held.task_id, reason=reason, head=held.head_version
+                        )
+                        tg.start_soon(self.fail, held, reason, detail)
             ready = sorted(
                 (h for h in self.pending.values() if self.verdict(h)[0] == "ok"),
                 key=lambda h: (h.head_version, h.arrived),
@@ -517,6 +519,17 @@ def trainer_trackers(cfg: RunConfig) -> Trackers:
     return open_trackers(cfg.metrics, root=cfg.run_dir, name=cfg.name, config=config_to_dict(cfg))
 
 
+def make_learner(cfg: RunConfig) -> Any:
+    """The learner of rank 0: ``Learner`` over the run's training engine, or the simulated one."""
+    if cfg.trainer.backend == "simulated":
+        from areal_async.training.simulated import SimulatedLearner
+
+        return SimulatedLearner(cfg)
+    from areal_async.training.learner import Learner
+
+    return Learner(cfg, resolve_model_path(cfg.model.path))
+
+
 async def serve(ctx: WorkerContext) -> None:
     cfg = ctx.cfg
     # Before the model loads: a tracker that cannot open (a missing package, a wrong URI) fails now.
@@ -529,12 +542,12 @@ async def serve(ctx: WorkerContext) -> None:
 
 
 async def _serve(ctx: WorkerContext, trackers: Trackers) -> None:
-    from areal_async.training.learner import Learner, init_trainer_process_group
-
     cfg = ctx.cfg
-    init_trainer_process_group(cfg.trainer.device)
-    model_path = resolve_model_path(cfg.model.path)
-    learner = await anyio.to_thread.run_sync(Learner, cfg, model_path)
+    if cfg.trainer.backend != "simulated":
+        from areal_async.training.learner import init_trainer_process_group
+
+        init_trainer_process_group(cfg.trainer.device)
+    learner = await anyio.to_thread.run_sync(make_learner, cfg)
     trained_ids = await anyio.to_thread.run_sync(_restore, cfg, learner)
     trainer = Trainer(ctx, learner, trained_ids=trained_ids, trackers=trackers)
     ctx.policy_version = learner.version

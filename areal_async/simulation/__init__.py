@@ -1,0 +1,1 @@
+"""Simulated hardware: profiles of modelled engines and trainers (`profile.py`)."""
