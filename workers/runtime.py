@@ -343,14 +343,9 @@ def io_thread_affinity(role: str) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def run_role(
-    cfg: RunConfig,
-    *,
-    role: str,
-    serve: Callable[[WorkerContext], Awaitable[None]],
-    worker_id: str | None = None,
-) -> int:
-    """Run one role until it finishes, the run ends, or a signal arrives; return the exit code."""
+def _start_logging(cfg: RunConfig, role: str, worker_id: str | None, *, rank: int) -> str:
+    """Log to ``<run_dir>/logs/<worker id>.jsonl`` (and the console); returns the worker id
+    (``worker_id``, else ``AREAL_WORKER_ID``, else a new one)."""
     worker_id = worker_id or os.environ.get("AREAL_WORKER_ID") or default_worker_id(role)
     logs_dir = cfg.run_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
@@ -360,8 +355,20 @@ def run_role(
         json_file=logs_dir / f"{worker_id}.jsonl",
         role=role,
         worker_id=worker_id,
-        rank=int(os.environ.get("RANK", "0")),
+        rank=rank,
     )
+    return worker_id
+
+
+def run_role(
+    cfg: RunConfig,
+    *,
+    role: str,
+    serve: Callable[[WorkerContext], Awaitable[None]],
+    worker_id: str | None = None,
+) -> int:
+    """Run one role until it finishes, the run ends, or a signal arrives; return the exit code."""
+    worker_id = _start_logging(cfg, role, worker_id, rank=int(os.environ.get("RANK", "0")))
     write_resolved_config(cfg, role)
     try:
         pin_cpus(role)
@@ -408,17 +415,7 @@ def run_fleet(
     id (``<worker_id>-<i>``) and heartbeat: as many bus clients as separate processes would be,
     for roles whose work is cheap (simulated engines). One failing worker stops the others; the
     exit code is the highest."""
-    worker_id = worker_id or os.environ.get("AREAL_WORKER_ID") or default_worker_id(role)
-    logs_dir = cfg.run_dir / "logs"
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    configure_logging(
-        level=cfg.logging.level,
-        fmt=cfg.logging.format,
-        json_file=logs_dir / f"{worker_id}.jsonl",
-        role=role,
-        worker_id=worker_id,
-        rank=0,
-    )
+    worker_id = _start_logging(cfg, role, worker_id, rank=0)
     write_resolved_config(cfg, role)
 
     async def fleet() -> int:
