@@ -133,7 +133,14 @@ async def test_an_engine_behind_a_leaf_node_reads_the_weights_bucket_and_may_not
                 assert delivery.event.task_id == "train:0:1"
                 await delivery.ack_sync()
                 break
-        info = await trainer.js.stream_info(trainer.subjects.stream(Streams.PROMPT).name)
+        # The ack's reply comes from the consumer; the work queue drops the message through its
+        # own raft group a moment later, so the stream is asked until it is empty (or 10 s pass).
+        prompts = trainer.subjects.stream(Streams.PROMPT).name
+        deadline = anyio.current_time() + 10
+        info = await eventually(lambda: trainer.js.stream_info(prompts))
+        while info.state.messages and anyio.current_time() < deadline:
+            await anyio.sleep(0.1)
+            info = await eventually(lambda: trainer.js.stream_info(prompts))
         assert info.state.messages == 0, "the ack through the leaf did not reach the work queue"
 
         # SIGKILL of the node leading the bucket's stream: the trainer's put and the engine's
