@@ -9,8 +9,9 @@ compute (``Learner.follow``). Each step at trainer version ``t``:
 0. check each received group at the boundary (docs/design.md section 8): its task id, kind,
    epoch, index and attempt must match the controller's ``issued.<task_id>`` record in the run
    state, else it is dead-lettered and never re-issued; its numbers must be finite and its arrays
-   aligned, else it is dead-lettered and reported ``error`` so the prompt is re-issued. A group
-   of a task a committed step already trained is acked and reported ``duplicate``;
+   aligned (``workers/scored_groups.py``), else it is dead-lettered and reported ``error`` so the
+   prompt is re-issued. A group of a task a committed step already trained is acked and
+   reported ``duplicate``;
 1. keep received groups oldest-first (by head_version, then arrival); apply the guard
    ``t - max_staleness <= head_version <= t``: a group outside the window is not trained, it is
    published as ``rollout.failed`` (``stale``/``future``) and acked so the controller
@@ -38,7 +39,6 @@ Run alone: areal-worker --role trainer --config configs/arith_cpu.yaml
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
 import structlog
 from anyio.abc import TaskStatus
 
@@ -62,9 +61,6 @@ from bus.events import (
     TensorEntry,
     TrainerStep,
     WeightsPublished,
-    unpack_f32,
-    unpack_i32,
-    unpack_u8,
 )
 from bus.state import WEIGHTS_PUBLISHED, RunState, StateRecordError
 from bus.subjects import Streams
@@ -75,6 +71,7 @@ from workers.common import (
     weights_dir,
 )
 from workers.runtime import WorkerContext, io_thread_affinity
+from workers.scored_groups import Unfit, check_content, to_sample
 from workers.trackers import ROLLOUT_COLUMNS, Trackers, open_trackers, rollout_rows
 from workers.weight_bus import BusWeightWriter
 from workers.weight_memory import WeightSender
@@ -101,62 +98,6 @@ class Held:
     @property
     def head_version(self) -> int:
         return self.scored.group.head_version
-
-
-def to_sample(scored: ScoredGroup) -> Any:
-    from areal_async.training.samples import GroupSample
-
-    g = scored.group
-    masks = None
-    if any(c.loss_mask for c in g.completions):
-        masks = [
-            unpack_u8(c.loss_mask).tolist() if c.loss_mask else [1] * c.num_tokens for c in g.completions
-        ]
-    return GroupSample(
-        task_id=g.task_id,
-        prompt_ids=unpack_i32(g.prompt_ids, "prompt_ids").tolist(),
-        completions=[unpack_i32(c.token_ids, "token_ids").tolist() for c in g.completions],
-        behave_logprobs=[unpack_f32(c.logprobs, "logprobs").tolist() for c in g.completions],
-        rewards=list(scored.rewards),
-        finish_reasons=[c.finish_reason for c in g.completions],
-        head_version=g.head_version,
-        loss_masks=masks,
-    )
-
-
-class Unfit(ValueError):
-    """A scored group that must not be trained (dead-lettered with this reason)."""
-
-
-def check_content(scored: ScoredGroup) -> None:
-    """Unfit unless every number is finite, loss masks align, some token is trained and the group's
-    head_version is the oldest version among its trained tokens (then re-issued).
-
-    Versions may go down within an episode: its later turns can come from a generation worker that
-    has not loaded the newest weights yet; the head version covers that.
-    """
-    g = scored.group
-    if not g.completions:
-        raise Unfit("the group has no completions")
-    if not all(math.isfinite(r) for r in scored.rewards):
-        raise Unfit(f"non-finite reward(s) {[r for r in scored.rewards if not math.isfinite(r)][:4]}")
-    oldest: list[int] = []
-    for i, c in enumerate(g.completions):
-        if c.loss_mask and len(c.loss_mask) != c.num_tokens:
-            raise Unfit(f"completion {i} has {len(c.loss_mask)} loss mask entries for {c.num_tokens} tokens")
-        logprobs = unpack_f32(c.logprobs, "logprobs")
-        versions = unpack_i32(c.versions, "versions")
-        if not np.isfinite(logprobs).all():
-            raise Unfit(f"completion {i} has non-finite logprobs")
-        trained = versions[unpack_u8(c.loss_mask) == 1] if c.loss_mask else versions
-        if len(trained) and trained.min() < 0:
-            raise Unfit(f"completion {i} has negative token versions")
-        if len(trained):
-            oldest.append(int(trained.min()))
-    if not oldest:
-        raise Unfit("no completion has a token to train (all empty or masked out)")
-    if g.head_version != min(oldest):
-        raise Unfit(f"head_version {g.head_version} is not the oldest trained-token version {min(oldest)}")
 
 
 class RunOver(Exception):

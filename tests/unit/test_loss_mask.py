@@ -21,7 +21,7 @@ from bus import events as ev
 from tests.conftest import make_sample_events
 from tests.helpers.engines import fsdp_engine
 from tests.helpers.models import build_tiny_model
-from workers.trainer import Unfit, check_content, to_sample
+from workers.scored_groups import Unfit, check_content, to_sample
 
 MAX_NEW_TOKENS = 16
 LOSS = LossConfig(behave_cap=None)
