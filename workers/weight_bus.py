@@ -476,14 +476,14 @@ class BusWeightReader:
             raise refused
         last = chain[-1]
         assert flat is not None
-        if await anyio.to_thread.run_sync(codec.version_digest, flat) != last.digest:
+        if (digest := await anyio.to_thread.run_sync(codec.version_digest, flat)) != last.digest:
             if len(chain) == 1:
-                raise ObjectRefused(last.slot, self._wrong_digest(last, flat))
+                raise ObjectRefused(last.slot, self._wrong_digest(last, digest))
             flat = start
             for i, record in enumerate(chain):  # step by step, to name the object
                 flat = await self._apply(record, await payload(i), flat)
                 if (digest := await anyio.to_thread.run_sync(codec.version_digest, flat)) != record.digest:
-                    raise ObjectRefused(record.slot, self._wrong_digest(record, flat, digest))
+                    raise ObjectRefused(record.slot, self._wrong_digest(record, digest))
         assert flat is not None
         return Held(last.policy_version, last.digest, flat, last.manifest)
 
@@ -501,8 +501,7 @@ class BusWeightReader:
             raise ObjectRefused(record.slot, str(exc)) from None
 
     @staticmethod
-    def _wrong_digest(record: Record, flat: np.ndarray, digest: str | None = None) -> str:
-        digest = digest or codec.version_digest(flat)
+    def _wrong_digest(record: Record, digest: str) -> str:
         return (
             f"version {record.policy_version} rebuilt through {record.slot} has digest "
             f"{digest[:12]}, its record says {record.digest[:12]}"
