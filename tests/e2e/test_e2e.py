@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.tiny_task import exact_mode_preference
 from tests.helpers.jobs import (
     committed_steps,
     finish_job,
@@ -48,9 +49,12 @@ def test_tiny_model_learns_through_all_five_roles(tmp_path: Path, tiny_sft_model
     warm-started tiny model beyond noise, and every trained group respects the staleness bound.
 
     The first two steps train on groups sampled by versions 0 and 1, before the policy has moved:
-    their reward is the start. Measured (2-core CPUs, AVX-512 and AVX2 kernels): reward 0.55 in the
-    first two steps, 0.79-0.82 over the last five; greedy accuracy on the 20 held-out prompts
-    0.40-0.45 at version 0, 0.55-0.80 afterwards."""
+    their reward is the start. Held out, the claim is judged on the one thing RL changes here, the
+    choice between the two answer modes, scored on all 20 held-out prompts by the start model and
+    the final weights (``exact_mode_preference``). Greedy accuracy on those 20 prompts turns on the
+    argmax of near-ties and moves either way between CPUs (0.40-0.65 at version 0, 0.45-0.80 after),
+    so it is printed, not asserted. Measured (2-core CPUs, AVX-512 and AVX2 kernels): reward 0.50-0.55
+    in the first two steps, 0.75-0.82 over the last five; held-out preference 0.43 -> 0.69."""
     steps_n, batch = 20, 32
     cfg = tiny_config(
         tmp_path,
@@ -64,17 +68,17 @@ def test_tiny_model_learns_through_all_five_roles(tmp_path: Path, tiny_sft_model
     assert res.returncode == 0, res.output[-4000:]
     evals, metrics = res.evals(), res.metrics()
     assert evals[0]["policy_version"] == 0 and evals[-1]["policy_version"] == steps_n
-    first, last = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     rewards = [m["reward_mean"] for m in metrics]
     reward_start, reward_end = sum(rewards[:2]) / 2, sum(rewards[-5:]) / 5
+    held_start = exact_mode_preference(tiny_sft_model)
+    held_end = exact_mode_preference(res.run_dir / "weights" / f"v{steps_n}")
+    greedy = ", ".join(f"v{e['policy_version']} {e['eval/accuracy']:.2f}" for e in evals)
     print(
-        f"eval {first:.3f} -> {last:.3f}; reward {reward_start:.3f} -> {reward_end:.3f}; {res.seconds:.0f} s"
+        f"reward {reward_start:.3f} -> {reward_end:.3f}; held-out preference {held_start:.3f} -> "
+        f"{held_end:.3f}; greedy held-out {greedy}; {res.seconds:.0f} s"
     )
     assert reward_end >= reward_start + 0.12, rewards
-    # 20 held-out prompts: judge the mean of every evaluation after the start, and the last one.
-    after = [e["eval/accuracy"] for e in evals[1:]]
-    assert sum(after) / len(after) >= first + 0.1, (first, after)
-    assert last >= first, (first, after)
+    assert held_end >= held_start + 0.1, (held_start, held_end)
     loads = (res.run_dir / "logs").glob("generation-*.jsonl")
     via = [
         json.loads(line).get("via") for p in loads for line in p.read_text().splitlines() if '"via"' in line

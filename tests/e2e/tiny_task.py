@@ -96,3 +96,32 @@ def warm_start_mode_select(
     model.save_pretrained(out_dir)
     (out_dir / "sft.done").write_text(f"{loss.detach().item():.4f}\n")
     return out_dir
+
+
+def exact_mode_preference(model_dir: Path, *, split: str = "eval", eval_fraction: float = 0.3) -> float:
+    """Mean over the distinct prompts of ``split`` of P(exact answer | exact or +1 answer), scored
+    teacher-forced by ``model_dir`` (each answer closed by EOS).
+
+    It measures the one thing RL changes on this task, the choice between the two answer modes, on
+    every held-out prompt at once, so it does not hinge on the argmax of a few near-ties as greedy
+    accuracy over 20 prompts does (the warm start puts both modes near 50%)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = load_dataset("mode_select", split=split, seed=0, eval_fraction=eval_fraction)
+    prompts = {row["prompt"]: int(row["answer"]) for row in rows}
+
+    def logprob(prompt_ids: list[int], answer: int) -> torch.Tensor:
+        target = tok(str(answer))["input_ids"] + [tok.eos_token_id]
+        ids = torch.tensor([prompt_ids + target])
+        with torch.no_grad():
+            logp = model(ids).logits[0, :-1].log_softmax(-1)
+        at = torch.arange(len(prompt_ids) - 1, ids.shape[1] - 1)
+        return logp[at, ids[0, len(prompt_ids) :]].sum()
+
+    total = 0.0
+    for prompt, answer in prompts.items():
+        p = tok(prompt)["input_ids"]
+        total += torch.sigmoid(logprob(p, answer) - logprob(p, answer + 1)).item()
+    return total / len(prompts)
