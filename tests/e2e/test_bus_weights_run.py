@@ -46,7 +46,7 @@ def _bus_loads(run_dir: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(600)
 def test_bus_transport_serves_every_version_bit_identical_to_a_restarted_and_a_late_engine(
-    tmp_path: Path, tiny_model: Path
+    tmp_path: Path, tiny_sft_model: Path
 ) -> None:
     """Every version an engine loads comes from the weights bucket, with the digest the trainer
     wrote (a sha256 of the packed tensors, checked by the engine before it serves them); the
@@ -58,7 +58,7 @@ def test_bus_transport_serves_every_version_bit_identical_to_a_restarted_and_a_l
     total, batch = 12, 4
     cfg = tiny_config(
         tmp_path,
-        tiny_model,
+        tiny_sft_model,
         "busw",
         rollout__group_size=4,
         trainer__total_steps=total,
@@ -92,6 +92,7 @@ def test_bus_transport_serves_every_version_bit_identical_to_a_restarted_and_a_l
 
     written = {r["policy_version"]: r for r in worker_log(run_dir, "trainer", "weights written to the bus")}
     assert sorted(written) == list(range(1, total + 1))
+    assert len({w["digest"] for w in written.values()}) == total, "every step moves the weights"
     assert any(w["delta_bytes"] and not w["anchor_bytes"] for w in written.values())
     loads = [r for r in worker_log(run_dir, "generation", "weights loaded") if "via" in r]
     assert loads and all(r["via"] == "bus" for r in loads), [(r["file"], r["via"]) for r in loads]
