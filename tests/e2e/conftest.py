@@ -1,12 +1,34 @@
-"""Fixtures of the end-to-end tests: tiny models on disk, built once per session."""
+"""Fixtures of the end-to-end tests: tiny models on disk, built once per session.
+
+Under pytest-xdist the warm starts are built once for all workers (``_built_once``): the first
+worker to need one builds it while the others wait on its lock, then read the same directory.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.models import build_tiny_model
+
+
+@contextmanager
+def _built_once(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """``name`` under the session's temporary root, shared by every xdist worker, held under an
+    exclusive lock while the caller builds into it (or finds it built)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp sits in the session's
+        root = root.parent
+    shared = root / name
+    shared.mkdir(parents=True, exist_ok=True)
+    with open(shared / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield shared
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +45,8 @@ def tiny_sft_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.e2e.tiny_task import warm_start_mode_select
 
     torch.set_num_threads(2)
-    return warm_start_mode_select(tmp_path_factory.mktemp("tiny-sft") / "model")
+    with _built_once(tmp_path_factory, "tiny-sft") as shared:
+        return warm_start_mode_select(shared / "model")
 
 
 @pytest.fixture(scope="session")
@@ -36,10 +59,7 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, tiny_sft_model: Pa
     torch.set_num_threads(2)
     # From the raw-format fit, 300 steps of 64 chat prompts (~4x longer) reach the two-mode fit (loss
     # ~0.35, greedy first-try accuracy ~40%) in a third of the 900 steps it takes from random init.
-    return warm_start_mode_select(
-        tmp_path_factory.mktemp("tiny-chat") / "model",
-        chat=True,
-        steps=300,
-        batch_size=64,
-        init=tiny_sft_model,
-    )
+    with _built_once(tmp_path_factory, "tiny-chat") as shared:
+        return warm_start_mode_select(
+            shared / "model", chat=True, steps=300, batch_size=64, init=tiny_sft_model
+        )

