@@ -31,6 +31,31 @@ def test_help_imports_no_torch(entry: str) -> None:
     assert "HEAVY ['torch'" not in out.stdout and "HEAVY []" in out.stdout, out.stdout
 
 
+@pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_a_worker_s_openmp_threads_sleep_when_waiting_unless_the_user_chose(
+    preset: str | None, expected: str
+) -> None:
+    """Both entry points set OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (so a worker and
+    the processes it starts inherit it); a value the user set is kept."""
+    setup = (
+        "os.environ.pop('OMP_WAIT_POLICY', None)"
+        if preset is None
+        else f"os.environ['OMP_WAIT_POLICY'] = {preset!r}"
+    )
+    for entry in ("worker_main(['--role', 'nope', '--config', 'x.yaml'])", "main(['--help'])"):
+        code = (
+            f"import os, sys\n{setup}\n"
+            "from workers import cli\n"
+            "try:\n"
+            f"    cli.{entry}\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print('POLICY', os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+        )
+        out = _run(code)
+        assert f"POLICY {expected} False" in out.stdout, (entry, out.stdout, out.stderr)
+
+
 def test_worker_with_bad_config_exits_2_with_message(tmp_path) -> None:
     """A config error is one line on stderr and exit code 2, not a traceback."""
     bad = tmp_path / "bad.yaml"
