@@ -190,7 +190,10 @@ class TrainerConfig:
     """Processes of the trainer's torchrun job on this node."""
 
     num_threads: int | None = None
-    """torch threads per trainer rank (None: torch's default)."""
+    """torch threads per trainer rank (None: torch's default). They share the cores with the other
+    roles on one machine; areal-async makes waiting OpenMP threads sleep rather than spin
+    (``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it), so more threads than free cores
+    costs little."""
 
     malloc_arenas: int = 1
     """glibc malloc arenas of a trainer process (0: glibc's default, up to 8 per core). Every thread

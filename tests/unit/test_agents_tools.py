@@ -127,7 +127,9 @@ async def test_a_cancelled_python_call_leaves_no_process() -> None:
     outcome = await invoke_tool(tool, {"code": code}, timeout_s=0.5)
     assert not outcome.ok and "did not finish within 0.5 s" in outcome.text
     alive = [
-        p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith(f"{tool.python}\0-I\0-B")
+        p
+        for p in os.listdir("/proc")
+        if p.isdigit() and _cmdline(p).startswith(f"{tool.python}\0-I\0-B") and _parent(p) == os.getpid()
     ]
     assert alive == []
 
@@ -137,6 +139,15 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text()
     except OSError:
         return ""
+
+
+def _parent(pid: str) -> int:
+    """The parent pid of ``pid`` (-1 once it is gone): the programs this process started, not those
+    of other processes running tools on the same machine."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 @pytest.mark.asyncio
