@@ -132,7 +132,7 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
     kind: str = "arithmetic"
-    """Dataset source: ``arithmetic``, ``mode_select``, ``gsm8k`` or ``jsonl``."""
+    """Dataset source: ``arithmetic``, ``mode_select``, ``word_problems``, ``gsm8k`` or ``jsonl``."""
 
     path: str | None = None
     """File for ``gsm8k`` / ``jsonl`` datasets."""

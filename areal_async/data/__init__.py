@@ -1,7 +1,8 @@
 """Datasets: where prompts come from, in which order, and how they become token ids.
 
 - ``load_dataset(kind, path=, split=, seed=, **options) -> list[row]`` (``registry.py``):
-  ``arithmetic`` / ``mode_select`` (synthetic), ``gsm8k``, ``jsonl``.
+  ``arithmetic`` / ``mode_select`` (synthetic), ``word_problems`` (calculator stories with a
+  distractor number), ``gsm8k``, ``jsonl``.
 - A row is a msgpack-able dict with ``prompt`` or ``messages``, ``answer`` and metadata
   (``rows.py``).
 - ``DatasetCursor``: seeded epoch order with a checkpointable position (``cursor.py``).

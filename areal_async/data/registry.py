@@ -18,12 +18,14 @@ from areal_async.data.gsm8k import load_gsm8k
 from areal_async.data.jsonl import load_jsonl
 from areal_async.data.rows import DatasetError, Row
 from areal_async.data.synthetic import load_arithmetic, load_mode_select
+from areal_async.data.word_problems import load_word_problems
 
 Loader = Callable[..., list[Row]]
 
 DATASETS: dict[str, Loader] = {
     "arithmetic": load_arithmetic,
     "mode_select": load_mode_select,
+    "word_problems": load_word_problems,
     "gsm8k": load_gsm8k,
     "jsonl": load_jsonl,
 }
@@ -37,7 +39,8 @@ def load_dataset(
     seed: int = 0,
     **options: Any,
 ) -> list[Row]:
-    """Rows of ``split`` from the source ``kind`` (``arithmetic``, ``mode_select``, ``gsm8k``, ``jsonl``).
+    """Rows of ``split`` from the source ``kind`` (``arithmetic``, ``mode_select``, ``word_problems``, ``gsm8k``,
+    ``jsonl``).
 
     ``options`` are the source's own keyword arguments (``lo``/``hi`` for arithmetic,
     ``num_rows``, ``instruction``, ...); see each loader's signature.

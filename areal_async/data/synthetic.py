@@ -20,7 +20,9 @@ order. ``num_rows=None`` returns every pair of the split once, shuffled; a large
 from __future__ import annotations
 
 import hashlib
+import operator
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from areal_async.data.jsonl import EVAL_SPLITS
@@ -28,7 +30,8 @@ from areal_async.data.rows import DatasetError, Row
 
 ANSWER_ONLY_INSTRUCTION = "Answer with just the number."
 
-_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+OPERATIONS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+"""The operations the synthetic datasets ask for, by the symbol their prompts and expressions use."""
 
 
 def load_arithmetic(
@@ -44,7 +47,7 @@ def load_arithmetic(
     eval_fraction: float = 0.1,
 ) -> list[Row]:
     """``What is {a} {op} {b}?`` rows of ``split`` (``train``, or ``eval``/``test``)."""
-    _no_path("arithmetic", path)
+    no_path("arithmetic", path)
     suffix = f" {ANSWER_ONLY_INSTRUCTION}" if answer_only else ""
     return _generate(
         template="What is {a} {op} {b}?" + suffix,
@@ -70,7 +73,7 @@ def load_mode_select(
     eval_fraction: float = 0.1,
 ) -> list[Row]:
     """Tiny ``{a}{op}{b}=`` rows (operands 0..9) for CI learning tests."""
-    _no_path("mode_select", path)
+    no_path("mode_select", path)
     return _generate(
         template="{a}{op}{b}=",
         split=split,
@@ -100,15 +103,15 @@ def _generate(
     op: str,
     eval_fraction: float,
 ) -> list[Row]:
-    if op not in _OPS:
-        raise DatasetError(f"arithmetic op must be one of {sorted(_OPS)}, got {op!r}")
+    if op not in OPERATIONS:
+        raise DatasetError(f"arithmetic op must be one of {sorted(OPERATIONS)}, got {op!r}")
     if lo > hi:
         raise DatasetError(f"arithmetic operand range is empty: lo={lo} > hi={hi}")
     if not 0.0 < eval_fraction < 1.0:
         raise DatasetError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
     if num_rows is not None and num_rows < 1:
         raise DatasetError(f"num_rows must be >= 1 or null, got {num_rows}")
-    held_out = _is_eval_split(split)
+    held_out = is_eval_split(split)
     pairs = [
         (a, b)
         for a in range(lo, hi + 1)
@@ -126,14 +129,15 @@ def _generate(
         chosen = []
         while len(chosen) < num_rows:
             chosen += rng.sample(pairs, min(len(pairs), num_rows - len(chosen)))
-    compute = _OPS[op]
+    compute = OPERATIONS[op]
     return [
         {"prompt": template.format(a=a, b=b, op=op), "answer": str(compute(a, b)), "a": a, "b": b, "op": op}
         for a, b in chosen
     ]
 
 
-def _is_eval_split(split: str) -> bool:
+def is_eval_split(split: str) -> bool:
+    """Whether ``split`` names the held-out split (``eval``/``test``); DatasetError for an unknown one."""
     if split == "train":
         return False
     if split in EVAL_SPLITS:
@@ -141,6 +145,7 @@ def _is_eval_split(split: str) -> bool:
     raise DatasetError(f"unknown split {split!r} for a synthetic dataset; use 'train' or 'eval'")
 
 
-def _no_path(kind: str, path: str | Path | None) -> None:
+def no_path(kind: str, path: str | Path | None) -> None:
+    """DatasetError when a generated dataset ``kind`` is given a ``path``."""
     if path is not None:
         raise DatasetError(f"dataset {kind!r} is generated; it takes no path (got {str(path)!r})")

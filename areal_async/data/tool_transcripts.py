@@ -5,18 +5,23 @@
 Each row is one correct episode as OpenAI chat messages (``areal_async/data/sft.py`` renders it):
 
 1. ``user``: the problem exactly as the RL run's dataset renders it (``load_dataset`` of the run
-   file's ``dataset`` section, ``train`` split; without ``--config`` the demo's
-   ``arithmetic`` options ``DEMO_OPTIONS``);
-2. ``assistant``: one ``calculator`` call (OpenAI ``tool_calls``) on ``"{a} {op} {b}"``;
+   file's ``dataset`` section, ``train`` split; without ``--config`` the demo's ``word_problems``
+   options ``DEMO_OPTIONS``);
+2. ``assistant``: one ``calculator`` call (OpenAI ``tool_calls``) on the expression the problem
+   needs, ``"{a} {op} {b}"`` from the row: for ``arithmetic`` the prompt's own expression, for
+   ``word_problems`` the two numbers the question is about, in order, with the operation its
+   wording asks for (never the distractor);
 3. ``tool``: the calculator's own output for that call (``invoke_tool(Calculator(), ...)``, as the
    agent worker runs it);
 4. ``assistant``: that output as the final answer, which the ``arithmetic`` reward scores 1.
 
-Rows also carry ``answer`` (the dataset's) for checking; SFT reads only ``messages``.
+Rows also carry ``answer`` (the dataset's) for checking; SFT reads only ``messages``. A row whose
+expression does not give its answer stops the command (``DatasetError``).
 
 Held-out problems never appear: the rows come from the ``train`` split, and the synthetic datasets
 put each operand pair in ``train`` or ``eval`` by a hash of the pair alone
-(``synthetic.is_eval_pair``), whatever the seed. ``seed`` picks which training problems are drawn.
+(``synthetic.is_eval_pair``, ``word_problems.is_eval_operands``), whatever the seed. ``seed`` picks
+which training problems are drawn.
 """
 
 from __future__ import annotations
@@ -35,9 +40,9 @@ from areal_async.data.registry import load_dataset
 from areal_async.data.rows import DatasetError, Row
 from areal_async.rewards.arithmetic import arithmetic_last_number
 
-DEMO_KIND = "arithmetic"
-DEMO_OPTIONS: dict[str, Any] = {"lo": 100, "hi": 999, "op": "*", "answer_only": True}
-"""The dataset of ``configs/agent_tool_cpu.yaml``: 3-digit products, answered with just the number."""
+DEMO_KIND = "word_problems"
+DEMO_OPTIONS: dict[str, Any] = {"lo": 10, "hi": 999}
+"""The dataset of ``configs/agent_tool_words_cpu.yaml``: word problems with a distractor number."""
 
 TOOL_TIMEOUT_S = 10.0
 
@@ -58,7 +63,10 @@ async def _transcripts(rows: Sequence[Row]) -> list[Row]:
     out = []
     for index, row in enumerate(rows):
         if not {"a", "b", "op"} <= set(row):
-            raise DatasetError(f"row {index} has no operands (keys {sorted(row)}); use an arithmetic dataset")
+            raise DatasetError(
+                f"row {index} has no expression (keys {sorted(row)}, need a, op, b); "
+                "use an 'arithmetic' or 'word_problems' dataset"
+            )
         arguments = {"expression": f"{row['a']} {row['op']} {row['b']}"}
         outcome = await invoke_tool(calculator, arguments, timeout_s=TOOL_TIMEOUT_S)
         if not outcome.ok:
@@ -102,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--config",
         default=None,
-        help="run file whose dataset section the prompts follow (default: the arithmetic demo's options)",
+        help="run file whose dataset section the prompts follow (default: the word-problem demo's options)",
     )
     args = p.parse_args(argv)
     kind, options = DEMO_KIND, DEMO_OPTIONS

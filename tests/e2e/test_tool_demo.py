@@ -1,5 +1,5 @@
 """The tool demo's chain on a tiny model: calculator transcripts, ``areal-async sft`` on them, then a
-``tool_use`` RL run that starts from the model the warm start wrote (configs/agent_tool_cpu.yaml)."""
+``tool_use`` RL run that starts from the model the warm start wrote (configs/agent_tool_words_cpu.yaml)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from areal_async.agents import Calculator
 from areal_async.agents.toolcall import render_tool_prompt
-from areal_async.data.tool_transcripts import DEMO_OPTIONS, tool_transcripts, write_jsonl
+from areal_async.data.tool_transcripts import DEMO_KIND, DEMO_OPTIONS, tool_transcripts, write_jsonl
 from tests.helpers.jobs import REPO, run_job, tiny_config
 from tests.helpers.models import build_tiny_model
 
@@ -31,7 +31,7 @@ def test_a_warm_start_on_transcripts_feeds_a_tool_use_run(tmp_path: Path) -> Non
     cfg = tiny_config(
         tmp_path, base, "tooldemo",
         model__use_chat_template=True, model__system_prompt=SYSTEM,
-        dataset__kind="arithmetic", dataset__options=DEMO_OPTIONS, dataset__eval_size=2,
+        dataset__kind=DEMO_KIND, dataset__options=DEMO_OPTIONS, dataset__eval_size=2,
         rollout__workflow="tool_use", rollout__group_size=2, rollout__sampling__max_new_tokens=8,
         agent__max_turns=2, agent__tools=["calculator"], agent__call_timeout_s=60.0,
         reward__fn="arithmetic", trainer__batch_size=2, trainer__total_steps=2, trainer__eval_every=2,

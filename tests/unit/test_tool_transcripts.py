@@ -1,5 +1,7 @@
-"""Calculator transcripts for the tool demo's warm start: prompts as the RL run renders them, the
-calculator's own results, answers the reward scores 1, no held-out problem, and rows SFT renders."""
+"""Calculator transcripts for the tool demo's warm start: prompts as the RL run renders them, calls
+on the expression the problem needs, the calculator's own results, answers the reward scores 1, no
+held-out problem, and rows SFT renders. Each test runs for the products run file and the
+word-problem one."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import anyio
 import pytest
 
 from areal_async.agents import Calculator
+from areal_async.agents.tools import evaluate_arithmetic
 from areal_async.data import load_dataset
 from areal_async.data.sft import RenderOptions, load_examples
 from areal_async.data.tool_transcripts import main, tool_transcripts
@@ -19,12 +22,18 @@ from areal_async.run_file import load_config
 from tests.helpers.models import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "agent_tool_cpu.yaml"
+PRODUCTS = REPO / "configs" / "agent_tool_cpu.yaml"
+WORDS = REPO / "configs" / "agent_tool_words_cpu.yaml"
+
+
+@pytest.fixture(scope="module", params=[PRODUCTS, WORDS], ids=["products", "words"])
+def config_path(request: pytest.FixtureRequest) -> Path:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def cfg() -> Any:
-    return load_config(CONFIG)
+def cfg(config_path: Path) -> Any:
+    return load_config(config_path)
 
 
 COUNT, SEED = 300, 1
@@ -53,15 +62,30 @@ def test_each_transcript_is_one_call_its_result_and_the_answer(rows: list[dict[s
         assert answer["content"] == tool["content"]
 
 
+def expression(row: dict[str, Any]) -> str:
+    return json.loads(row["messages"][1]["tool_calls"][0]["function"]["arguments"])["expression"]
+
+
 def test_prompts_are_the_rl_runs_dataset_prompts(
     rows: list[dict[str, Any]], problems: list[dict[str, Any]]
 ) -> None:
     """The user message is the prompt the run's dataset renders for the problem (the RL episode's
-    opening), and the call computes that problem's operands."""
+    opening), and the call computes that problem's operands with its operation."""
     for row, problem in zip(rows, problems, strict=True):
         assert row["messages"][0]["content"] == problem["prompt"]
-        arguments = json.loads(row["messages"][1]["tool_calls"][0]["function"]["arguments"])
-        assert arguments == {"expression": f"{problem['a']} * {problem['b']}"}
+        assert expression(row) == f"{problem['a']} {problem['op']} {problem['b']}"
+
+
+def test_every_call_evaluates_to_the_answer_without_the_distractor(
+    rows: list[dict[str, Any]], problems: list[dict[str, Any]]
+) -> None:
+    """The call's expression is worth the problem's answer; a word problem's call uses its two
+    operands and never the distractor (the expression is built, not copied from the prompt)."""
+    for row, problem in zip(rows, problems, strict=True):
+        assert str(evaluate_arithmetic(expression(row))) == problem["answer"] == row["answer"]
+        if "distractor" in problem:
+            assert expression(row) not in problem["prompt"]
+            assert str(problem["distractor"]) not in expression(row).split()
 
 
 def test_every_tool_result_is_the_calculators_output(rows: list[dict[str, Any]]) -> None:
@@ -94,18 +118,35 @@ def test_no_transcript_holds_a_held_out_problem(cfg: Any, rows: list[dict[str, A
     evaluated = set(held_out[: ds.eval_size])  # what the controller evaluates
     assert len(evaluated) == ds.eval_size
     prompts = {r["messages"][0]["content"] for r in rows}
-    prompts |= {r["messages"][0]["content"] for r in tool_transcripts(3000, seed=7, options=ds.options)}
+    more = tool_transcripts(3000, seed=7, kind=ds.kind, options=ds.options)
+    prompts |= {r["messages"][0]["content"] for r in more}
     assert len(prompts) > 3000
     assert not prompts & set(held_out)
 
 
+def test_no_word_problem_transcript_computes_a_held_out_pair_of_numbers() -> None:
+    """For word problems the guarantee is stronger than distinct prompts: no transcript's call uses
+    a pair of numbers that a held-out problem asks about, in either order, for any seed."""
+    ds = load_config(WORDS).dataset
+    held_out = {
+        frozenset((r["a"], r["b"])) for r in load_dataset(ds.kind, split="eval", seed=ds.seed, **ds.options)
+    }
+    called = {
+        frozenset(int(n) for n in expression(row).split()[::2])
+        for seed in (1, 7, 11)
+        for row in tool_transcripts(1000, seed=seed, kind=ds.kind, options=ds.options)
+    }
+    assert len(called) > 2500
+    assert not called & held_out
+
+
 def test_the_written_rows_render_through_sft_without_bad_rows(
-    cfg: Any, rows: list[dict[str, Any]], tmp_path: Path
+    config_path: Path, cfg: Any, rows: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     """The command's file loads as SFT examples with the run's system prompt and tools: no row is
     bad, and each trains the call turn and the answer turn."""
     out = tmp_path / "rows.jsonl"
-    assert main(["--config", str(CONFIG), "--out", str(out), "--count", "40", "--seed", "1"]) == 0
+    assert main(["--config", str(config_path), "--out", str(out), "--count", "40", "--seed", "1"]) == 0
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert written == rows[:40]
     texts = [cfg.model.system_prompt, *(json.dumps(r) for r in written)]
