@@ -300,7 +300,11 @@ def test_two_rank_trainer_under_torchrun_completes_a_run(
 @pytest.mark.timeout(900)
 def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_model: Path) -> None:
     """A second generation worker started mid-run (its own process, same bus) receives tasks;
-    stopping it with SIGTERM loses nothing: the run completes with every step trained once."""
+    stopping it with SIGTERM loses nothing: the run completes with every step trained once.
+
+    The launcher's generation worker is paused (SIGSTOP, under the watchdog's frozen limit) from
+    step 2 until the second worker has served a group, so the run cannot finish before the second
+    worker is up, however fast the machine trains."""
 
     total, batch = 16, 4
     cfg = tiny_config(
@@ -313,6 +317,7 @@ def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_m
         trainer__batch_size=batch,
         trainer__eval_every=0,
         dataset__eval_size=4,
+        watchdog__frozen_after_s=240,  # the paused worker is not to be replaced
     )
     run_dir = tmp_path / "join"
     started = time.monotonic()
@@ -320,8 +325,13 @@ def test_generation_worker_joins_and_leaves_a_running_run(tmp_path: Path, tiny_m
     extra = None
     try:
         _wait_for(lambda: steps_done(run_dir) >= 2, 240, "two steps")
-        extra = start_extra_generation(cfg, run_dir, "generation-extra")
-        _wait_for(lambda: _served_by_extra(run_dir), 240, "the extra worker to generate a group")
+        first = _pid_of(run_dir, "generation")
+        os.kill(first, signal.SIGSTOP)
+        try:
+            extra = start_extra_generation(cfg, run_dir, "generation-extra")
+            _wait_for(lambda: _served_by_extra(run_dir), 240, "the extra worker to generate a group")
+        finally:
+            os.kill(first, signal.SIGCONT)
         extra.send_signal(signal.SIGTERM)
         assert extra.wait(60) == 0
     finally:

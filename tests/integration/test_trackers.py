@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import structlog
+from google.protobuf.message import DecodeError
 from mlflow.tracking import MlflowClient
 
 from areal_async.config import MetricsConfig, MlflowConfig, WandbConfig
@@ -78,12 +79,21 @@ def _wandb_runs(wandb_dir: Path) -> list[SimpleNamespace]:
     """Each offline run directory in start order: run id, name, config keys, history rows."""
     runs = []
     for run_dir in sorted((wandb_dir / "wandb").glob("offline-run-*")):
-        deadline = time.monotonic() + 10
-        while not list(run_dir.glob("run-*.wandb")) and time.monotonic() < deadline:
-            time.sleep(0.01)  # W&B's service process closes the file just after finish() returns
-        (path,) = run_dir.glob("run-*.wandb")
+        # W&B's service process writes the file, and goes on writing it after finish() returns: it
+        # is read again until its last record, ``exit``, is there.
+        deadline = time.monotonic() + 30
+        while True:
+            paths = list(run_dir.glob("run-*.wandb"))
+            try:
+                records = _wandb_records(paths[0]) if len(paths) == 1 else []
+            except (AssertionError, DecodeError):  # not yet a header, or a chunk half written
+                records = []
+            if (records and records[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert len(paths) == 1, paths
         run = SimpleNamespace(id="", name="", config={}, history=[], files=run_dir / "files")
-        for record in _wandb_records(path):
+        for record in records:
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 run.id, run.name = record.run.run_id, record.run.display_name
