@@ -1,4 +1,4 @@
-"""Event schemas and the wire format (bus/events.py); no network."""
+"""Event schemas (bus/schemas.py) and the wire format (bus/events.py); no network."""
 
 from __future__ import annotations
 
